@@ -1,0 +1,35 @@
+# Test registration helpers.
+include(GoogleTest)
+
+# epcomm_add_unit_test(<file.cc> [LIBS ...]): one gtest executable per file, each TEST a ctest entry
+# labelled `unit`.
+function(epcomm_add_unit_test file)
+  cmake_parse_arguments(ARG "" "" "LIBS" ${ARGN})
+  get_filename_component(name ${file} NAME_WE)
+  add_executable(${name} ${file})
+  target_link_libraries(${name} PRIVATE epcomm epcomm_testsupport GTest::gtest_main ${ARG_LIBS})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+  gtest_discover_tests(${name} PROPERTIES LABELS unit DISCOVERY_TIMEOUT 60)
+endfunction()
+
+# epcomm_add_multirank_test(<case> LAUNCHERS thread fork NP 1 2 4 [TIMEOUT s] [LABEL l]):
+# registers <case>.<launcher>.np<N> running the `multirank_tests` driver. Exit code 77 means skipped.
+function(epcomm_add_multirank_test case)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "LAUNCHERS;NP" ${ARGN})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 120)
+  endif()
+  foreach(launcher ${ARG_LAUNCHERS})
+    foreach(np ${ARG_NP})
+      set(test_name ${case}.${launcher}.np${np})
+      add_test(NAME ${test_name} COMMAND multirank_tests --case ${case} --launcher ${launcher} --np ${np})
+      if(launcher STREQUAL "fork")
+        set(label multiproc)
+      else()
+        set(label multirank)
+      endif()
+      set_tests_properties(${test_name} PROPERTIES LABELS ${label} TIMEOUT ${ARG_TIMEOUT}
+                           SKIP_RETURN_CODE 77 PROCESSORS 1)
+    endforeach()
+  endforeach()
+endfunction()

@@ -1,0 +1,172 @@
+// epcomm/buffer.h — the normal-mode Buffer: get_dispatch_layout, dispatch and combine (spec/normal-mode.md).
+// A Buffer is created collectively over a Group and owns this rank's shared-memory segment and one
+// communication thread. Its methods are called from one host thread at a time; separate Buffers are
+// independent. dispatch and combine are collective: every rank calls them in the same order.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epcomm/bootstrap.h"
+#include "epcomm/config.h"
+#include "epcomm/error.h"
+#include "epcomm/event.h"
+#include "epcomm/tensor.h"
+
+namespace epcomm {
+
+enum class ReceiveOrder { expert_major, rank_major };
+enum class QuantMode { bf16, int8, pertoken_fp8_e4m3, pergroup_fp8_e4m3, mx_fp8_e4m3, mx_fp8_e5m2, mx_fp4_e2m1 };
+const char* receive_order_name(ReceiveOrder order);
+const char* quant_mode_name(QuantMode mode);
+ReceiveOrder parse_receive_order(const std::string& name);  // throws InvalidUsage listing the accepted names
+QuantMode parse_quant_mode(const std::string& name);
+
+// The communicator: a bootstrap plus what was learnt from it (rank, size, host of every rank).
+// Created collectively; shared by the Buffers built on it.
+class Group {
+ public:
+  static std::shared_ptr<Group> create(std::unique_ptr<Bootstrap> bootstrap);
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  Bootstrap& bootstrap() { return *bootstrap_; }
+  const std::vector<std::string>& hosts() const { return hosts_; }
+
+ private:
+  std::unique_ptr<Bootstrap> bootstrap_;
+  int rank_ = 0, size_ = 1;
+  std::vector<std::string> hosts_;
+};
+
+// Plain tensor, or pre-quantized (data, scales).
+struct Payload {
+  Tensor data;
+  std::optional<Tensor> scales;
+};
+
+struct BufferOptions {
+  int64_t num_nvl_bytes = 0;   // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
+  int64_t num_rdma_bytes = 0;  // internode staging (unused on one node); equal on all ranks.
+  bool low_latency_mode = false;  // true is not supported
+  bool enable_shrink = false;     // true is not supported
+  ReceiveOrder receive_order = ReceiveOrder::expert_major;
+  int ranks_per_node = 0;            // 0 = one node per host
+  std::optional<double> timeout_s;   // default: env EPCOMM_TIMEOUT_S, else 100
+  std::shared_ptr<Allocator> allocator;  // for every output; default_allocator() when null
+};
+
+// What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.
+class Handle {
+ public:
+  struct Impl;
+  explicit Handle(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  ReceiveOrder receive_order() const;
+  int64_t num_tokens() const;
+  int num_topk() const;
+  int num_experts() const;
+  int64_t num_recv_rows() const;  // N: exact rows (PAD included)
+  int64_t num_rows() const;       // N, or num_worst_tokens when it was given
+  std::vector<int64_t> num_recv_tokens_per_expert() const;  // aligned list
+  std::vector<int64_t> num_recv_pairs_per_expert() const;   // cnt
+  std::vector<int64_t> num_recv_rows_per_source() const;    // [R], PAD excluded
+  Tensor recv_src_rank() const;   // [num_rows] i32, -1 for PAD/tail rows
+  Tensor recv_src_token() const;  // [num_rows] i32
+  Tensor recv_src_slot() const;   // [num_rows] i32, all -1 in rank_major
+  uint64_t dispatch_id() const;   // the group-wide sequence number of the dispatch that made it
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::shared_ptr<const Impl> impl_;
+};
+
+struct LayoutResult {
+  Tensor num_tokens_per_rank;                     // [R] i32
+  std::optional<Tensor> num_tokens_per_rdma_rank; // [M] i32; none when M == 1
+  Tensor num_tokens_per_expert;                   // [E] i32
+  Tensor is_token_in_rank;                        // [T, R] bool
+  EventOverlap event;
+};
+
+struct DispatchArgs {
+  Payload x;
+  std::shared_ptr<const Handle> handle;
+  std::optional<Tensor> num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+      topk_idx, topk_weights, dispatch_wait_recv_cost_stats;
+  int64_t expert_alignment = 1, num_worst_tokens = 0;
+  bool async_finish = false, allocate_on_comm_stream = false;
+  std::optional<Config> config;
+  std::optional<EventOverlap> previous_event;
+  std::optional<QuantMode> quant_mode;
+  std::optional<ReceiveOrder> receive_order;
+};
+
+struct DispatchResult {
+  Payload recv_x;
+  std::optional<Tensor> recv_topk_idx, recv_topk_weights;
+  std::optional<std::vector<int64_t>> num_recv_tokens_per_expert_list;  // none for cached dispatch
+  std::shared_ptr<const Handle> handle;                                // none for cached dispatch
+  EventOverlap event;
+};
+
+struct CombineArgs {
+  Tensor x;
+  std::shared_ptr<const Handle> handle;
+  std::optional<Tensor> topk_weights;
+  std::optional<Tensor> bias;       // [T, H'] in x's dtype
+  std::optional<Tensor> bias2;      // second element of a bias tuple
+  std::optional<Config> config;
+  std::optional<EventOverlap> previous_event;
+  bool async_finish = false, allocate_on_comm_stream = false;
+  std::optional<Tensor> combine_send_cost_stats;
+};
+
+struct CombineResult {
+  Tensor combined_x;
+  std::optional<Tensor> combined_topk_weights;
+  EventOverlap event;
+};
+
+class Buffer {
+ public:
+  // Collective over `group`.
+  Buffer(std::shared_ptr<Group> group, const BufferOptions& options = {});
+  ~Buffer();  // destroy() if not done yet; never throws
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  int rank() const;
+  int num_ranks() const;
+  int num_nodes() const;
+  int node_of(int rank) const;
+  ReceiveOrder receive_order() const;
+  double timeout_s() const;
+  int64_t num_nvl_bytes() const;
+
+  // Local: no communication.
+  LayoutResult get_dispatch_layout(const Tensor& topk_idx, int num_experts,
+                                   std::optional<EventOverlap> previous_event = std::nullopt,
+                                   bool async_finish = false, bool allocate_on_comm_stream = false);
+  DispatchResult dispatch(const DispatchArgs& args);
+  CombineResult combine(const CombineArgs& args);
+
+  // Local: waits for this rank's queued operations, releases the segment, invalidates handles.
+  void destroy();
+  EventOverlap capture() const { return EventOverlap(); }
+
+  static int num_threads();           // class default for Config::num_threads (0 = automatic)
+  static void set_num_threads(int n);
+  static Config get_dispatch_config(int num_ranks);
+  static Config get_combine_config(int num_ranks);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epcomm

@@ -1,0 +1,24 @@
+# Shared by scripts/build, scripts/test and scripts/demo. Sourced, not run.
+EPCOMM_PACKAGES="cmake ninja-build g++ libgtest-dev"
+
+ensure_packages() {
+  local missing=()
+  for p in $EPCOMM_PACKAGES; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "epcomm: installing missing Debian packages: ${missing[*]}" >&2
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+build_project() {
+  local dir=${EPCOMM_BUILD_DIR:-build}
+  if [ ! -f "$dir/build.ninja" ]; then
+    cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=${EPCOMM_BUILD_TYPE:-RelWithDebInfo} >/dev/null
+  fi
+  cmake --build "$dir" -- -j"${EPCOMM_JOBS:-$(nproc)}" "$@"
+}

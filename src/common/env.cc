@@ -1,0 +1,61 @@
+// common/env.cc — the environment knobs.
+#include "common/env.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "common/check.h"
+
+namespace epcomm::env {
+
+const Knob kKnobs[] = {
+    {"EPCOMM_TIMEOUT_S", "100", "deadline in seconds of every wait on a peer (restarts when the peer progresses)"},
+    {"EPCOMM_POISON_OUTPUTS", "0", "1: fill every output with 0xFF bytes before writing it (debug, tests)"},
+    {"DEEP_NORMAL_MODE_USE_INT8_QUANT", "0", "1: dispatch quantizes to int8 when quant_mode is not given"},
+    {"EPCOMM_NORMAL_INT8", "0", "same as DEEP_NORMAL_MODE_USE_INT8_QUANT"},
+    {"EPCOMM_SPIN", "2000", "polls of a signal before the waiter sleeps on a futex"},
+};
+const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
+
+std::optional<std::string> get(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  return std::string(v);
+}
+
+bool get_flag(const char* name) {
+  auto v = get(name);
+  if (!v) return false;
+  std::string s = *v;
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s == "1" || s == "true" || s == "yes" || s == "on";
+}
+
+double timeout_s() {
+  auto v = get("EPCOMM_TIMEOUT_S");
+  if (!v) return 100.0;
+  char* end = nullptr;
+  double d = std::strtod(v->c_str(), &end);
+  EPCOMM_CHECK(end && *end == '\0' && d > 0, "EPCOMM_TIMEOUT_S: expected a positive number of seconds, got '", *v, "'");
+  return d;
+}
+
+bool poison_outputs() { return get_flag("EPCOMM_POISON_OUTPUTS"); }
+
+bool normal_int8() {
+  auto a = get("DEEP_NORMAL_MODE_USE_INT8_QUANT");
+  auto b = get("EPCOMM_NORMAL_INT8");
+  return (a && *a == "1") || (b && *b == "1");
+}
+
+int spin_count() {
+  static const int n = [] {
+    auto v = get("EPCOMM_SPIN");
+    if (!v) return 2000;
+    int x = std::atoi(v->c_str());
+    return x < 0 ? 0 : x;
+  }();
+  return n;
+}
+
+}  // namespace epcomm::env

@@ -1,0 +1,30 @@
+// common/env.h — every environment variable epcomm reads, declared once with its default and meaning.
+// docs/env.md lists the same table for users.
+#pragma once
+
+#include <optional>
+#include <string>
+
+namespace epcomm::env {
+
+struct Knob {
+  const char* name;
+  const char* default_value;
+  const char* meaning;
+};
+
+// The table of knobs (for docs and `epcomm --help`).
+extern const Knob kKnobs[];
+extern const int kNumKnobs;
+
+// Raw value, or nullopt when unset or empty.
+std::optional<std::string> get(const char* name);
+bool get_flag(const char* name);  // "1", "true", "yes", "on" (any case) are true
+
+// Typed accessors for the knobs.
+double timeout_s();          // EPCOMM_TIMEOUT_S, default 100
+bool poison_outputs();       // EPCOMM_POISON_OUTPUTS
+bool normal_int8();          // DEEP_NORMAL_MODE_USE_INT8_QUANT or EPCOMM_NORMAL_INT8 == "1"
+int spin_count();            // EPCOMM_SPIN: polls before a waiter sleeps on its futex
+
+}  // namespace epcomm::env
