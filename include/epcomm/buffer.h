@@ -17,15 +17,9 @@
 #include "epcomm/error.h"
 #include "epcomm/event.h"
 #include "epcomm/tensor.h"
+#include "epcomm/types.h"
 
 namespace epcomm {
-
-enum class ReceiveOrder { expert_major, rank_major };
-enum class QuantMode { bf16, int8, pertoken_fp8_e4m3, pergroup_fp8_e4m3, mx_fp8_e4m3, mx_fp8_e5m2, mx_fp4_e2m1 };
-const char* receive_order_name(ReceiveOrder order);
-const char* quant_mode_name(QuantMode mode);
-ReceiveOrder parse_receive_order(const std::string& name);  // throws InvalidUsage listing the accepted names
-QuantMode parse_quant_mode(const std::string& name);
 
 // The communicator: a bootstrap plus what was learnt from it (rank, size, host of every rank).
 // Created collectively; shared by the Buffers built on it.
