@@ -30,9 +30,13 @@ class Group {
   int size() const { return size_; }
   Bootstrap& bootstrap() { return *bootstrap_; }
   const std::vector<std::string>& hosts() const { return hosts_; }
+  // Numbers the Buffers created on this group (equal on every rank, since creation is collective).
+  uint64_t next_instance() { return next_instance_++; }
 
  private:
+  Group() = default;
   std::unique_ptr<Bootstrap> bootstrap_;
+  uint64_t next_instance_ = 0;
   int rank_ = 0, size_ = 1;
   std::vector<std::string> hosts_;
 };

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 #include "common/check.h"
 
@@ -13,7 +14,7 @@ const Knob kKnobs[] = {
     {"EPCOMM_POISON_OUTPUTS", "0", "1: fill every output with 0xFF bytes before writing it (debug, tests)"},
     {"DEEP_NORMAL_MODE_USE_INT8_QUANT", "0", "1: dispatch quantizes to int8 when quant_mode is not given"},
     {"EPCOMM_NORMAL_INT8", "0", "same as DEEP_NORMAL_MODE_USE_INT8_QUANT"},
-    {"EPCOMM_SPIN", "2000", "polls of a signal before the waiter sleeps on a futex"},
+    {"EPCOMM_SPIN", "auto", "polls of a doorbell before a waiter sleeps on its futex (auto: 4000, or 16 when ranks outnumber cores)"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -48,14 +49,14 @@ bool normal_int8() {
   return (a && *a == "1") || (b && *b == "1");
 }
 
-int spin_count() {
-  static const int n = [] {
-    auto v = get("EPCOMM_SPIN");
-    if (!v) return 2000;
+int spin_count(int local_ranks) {
+  if (auto v = get("EPCOMM_SPIN")) {
     int x = std::atoi(v->c_str());
     return x < 0 ? 0 : x;
-  }();
-  return n;
+  }
+  // Spinning only pays when every rank has a core of its own; oversubscribed waiters sleep at once.
+  unsigned hw = std::thread::hardware_concurrency();
+  return (hw == 0 || static_cast<unsigned>(local_ranks) <= hw) ? 4000 : 16;
 }
 
 }  // namespace epcomm::env

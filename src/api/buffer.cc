@@ -1,0 +1,382 @@
+// api/buffer.cc — Buffer: construction, the communication thread, and the collective calls (validate on
+// the caller's thread, run on the communication thread, return early when async_finish is set).
+#include "api/buffer_impl.h"
+
+#include <algorithm>
+#include <map>
+
+#include "api/event_state.h"
+#include "common/check.h"
+#include "common/env.h"
+#include "routing/layout.h"
+
+namespace epcomm {
+
+namespace {
+std::atomic<int> g_num_threads{0};
+constexpr int64_t kDefaultSegmentBytes = 64ll << 20;
+}  // namespace
+
+// ---- construction -------------------------------------------------------------------------------------
+
+Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : impl_(std::make_unique<Impl>()) {
+  Impl& b = *impl_;
+  EPCOMM_CHECK(group != nullptr, "Buffer: group must not be null");
+  b.group = group;
+  b.options = options;
+  b.rank = group->rank();
+  b.num_ranks = group->size();
+  const std::string pre = detail::cat("epcomm[rank ", b.rank, "] Buffer: ");
+  EPCOMM_CHECK(!options.low_latency_mode, pre, "argument: low_latency_mode=True is not supported by epcomm");
+  EPCOMM_CHECK(!options.enable_shrink, pre, "argument: enable_shrink=True is not supported by epcomm");
+  EPCOMM_CHECK(options.num_nvl_bytes >= 0, pre, "argument: num_nvl_bytes: expected >= 0, got ", options.num_nvl_bytes);
+  EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ", options.num_rdma_bytes);
+  EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks, " ranks are supported, got ", b.num_ranks);
+  b.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
+  EPCOMM_CHECK(b.timeout_s > 0, pre, "argument: timeout_s: expected > 0, got ", b.timeout_s);
+  b.nvl_bytes = options.num_nvl_bytes ? options.num_nvl_bytes : kDefaultSegmentBytes;
+  b.allocator = options.allocator ? options.allocator : default_allocator();
+
+  // Node partition (spec §6).
+  const int R = b.num_ranks, P = options.ranks_per_node;
+  EPCOMM_CHECK(P >= 0, pre, "argument: ranks_per_node: expected >= 0, got ", P);
+  b.node_of_rank.resize(R);
+  if (P > 0) {
+    EPCOMM_CHECK(R % P == 0, pre, "argument: ranks_per_node = ", P, " must divide the number of ranks ", R);
+    for (int r = 0; r < R; ++r) b.node_of_rank[r] = r / P;
+  } else {
+    std::map<std::string, int> node_id;
+    for (int r = 0; r < R; ++r) {
+      auto it = node_id.emplace(group->hosts()[r], static_cast<int>(node_id.size())).first;
+      b.node_of_rank[r] = it->second;
+    }
+  }
+  b.num_nodes = *std::max_element(b.node_of_rank.begin(), b.node_of_rank.end()) + 1;
+
+  // Sizes must agree on every rank: exchange them, then every rank raises the same error.
+  struct Sizes {
+    int64_t nvl, rdma;
+    int32_t nodes, rpn;
+  } mine{options.num_nvl_bytes, options.num_rdma_bytes, b.num_nodes, P};
+  std::vector<std::byte> bytes(sizeof(Sizes));
+  std::memcpy(bytes.data(), &mine, sizeof(Sizes));
+  auto all = group->bootstrap().all_gather(bytes);
+  auto per_rank = [&](auto field) {
+    std::string s;
+    bool differ = false;
+    for (int r = 0; r < R; ++r) {
+      Sizes x;
+      std::memcpy(&x, all.data() + r * sizeof(Sizes), sizeof(Sizes));
+      s += detail::cat(r ? ", " : "", "rank ", r, " = ", field(x));
+      differ |= field(x) != field(mine);
+    }
+    return std::make_pair(differ, s);
+  };
+  for (auto [name, field] : {std::pair<const char*, int64_t (*)(const Sizes&)>{"num_nvl_bytes", [](const Sizes& s) { return s.nvl; }},
+                             {"num_rdma_bytes", [](const Sizes& s) { return s.rdma; }},
+                             {"ranks_per_node", [](const Sizes& s) { return int64_t{s.rpn}; }}}) {
+    auto [differ, s] = per_rank(field);
+    EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", name, ": ", s);
+  }
+  EPCOMM_CHECK(b.num_nodes == 1, pre, "argument: the ranks span ", b.num_nodes,
+               " nodes; internode dispatch (UCX) is not supported yet: run all ranks on one host with "
+               "ranks_per_node = 0 or = the number of ranks");
+  const int64_t minimum = static_cast<int64_t>(engine::control_bytes(R)) + 4096;
+  EPCOMM_CHECK(b.nvl_bytes >= minimum, pre, "capacity: num_nvl_bytes = ", b.nvl_bytes,
+               " is below the control part of the segment plus one page (", minimum, " bytes for ", R, " ranks)");
+
+  b.transport = make_shm_transport(group->bootstrap(), static_cast<size_t>(b.nvl_bytes), group->next_instance());
+  b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
+  b.start_comm_thread();
+}
+
+Buffer::~Buffer() {
+  try {
+    destroy();
+  } catch (...) {
+  }
+}
+
+void Buffer::destroy() {
+  if (!impl_ || impl_->destroyed) return;
+  impl_->stop_comm_thread();
+  impl_->transport.reset();
+  impl_->alive.reset();
+  impl_->destroyed = true;
+}
+
+int Buffer::rank() const { return impl_->rank; }
+int Buffer::num_ranks() const { return impl_->num_ranks; }
+int Buffer::num_nodes() const { return impl_->num_nodes; }
+int Buffer::node_of(int r) const {
+  EPCOMM_CHECK(r >= 0 && r < impl_->num_ranks, "node_of: rank ", r, " is out of range [0, ", impl_->num_ranks, ")");
+  return impl_->node_of_rank[r];
+}
+ReceiveOrder Buffer::receive_order() const { return impl_->options.receive_order; }
+double Buffer::timeout_s() const { return impl_->timeout_s; }
+int64_t Buffer::num_nvl_bytes() const { return impl_->nvl_bytes; }
+
+int Buffer::num_threads() { return g_num_threads.load(); }
+void Buffer::set_num_threads(int n) {
+  EPCOMM_CHECK(n >= 0, "Buffer.set_num_threads: expected >= 0, got ", n);
+  g_num_threads = n;
+}
+Config Buffer::get_dispatch_config(int num_ranks) {
+  EPCOMM_CHECK(num_ranks >= 1, "get_dispatch_config: num_ranks: expected >= 1, got ", num_ranks);
+  Config c;
+  c.num_threads = num_threads();
+  return c;
+}
+Config Buffer::get_combine_config(int num_ranks) { return get_dispatch_config(num_ranks); }
+
+// ---- communication thread ----------------------------------------------------------------------------
+
+void Buffer::Impl::start_comm_thread() {
+  comm = std::thread([this] {
+    while (true) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lk(qm);
+        qcv.wait(lk, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;  // stop requested and drained
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      task();
+    }
+  });
+}
+
+void Buffer::Impl::stop_comm_thread() noexcept {
+  {
+    std::lock_guard<std::mutex> lk(qm);
+    stop = true;
+  }
+  qcv.notify_all();
+  if (comm.joinable()) comm.join();
+}
+
+void Buffer::Impl::enqueue(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lk(qm);
+    queue.push_back(std::move(task));
+  }
+  qcv.notify_one();
+}
+
+std::string Buffer::Impl::prefix(const char* op, uint64_t s) const {
+  return detail::cat("epcomm[rank ", rank, "] ", op, "#", s, ": ");
+}
+
+void Buffer::Impl::check_usable(const char* op) {
+  EPCOMM_CHECK(!destroyed, "epcomm[rank ", rank, "] ", op, ": argument: the Buffer was destroyed");
+  std::string f = failed();
+  if (!f.empty()) EPCOMM_THROW(Aborted, "epcomm[rank ", rank, "] ", op, ": the Buffer failed earlier: ", f);
+}
+
+void Buffer::Impl::mark_failed(const std::string& message) {
+  std::lock_guard<std::mutex> lk(failed_mutex);
+  if (failed_message.empty()) failed_message = message;
+}
+
+// Runs `body` for sequence number `s` on the communication thread. A call this rank cannot run
+// (`failed_message` set by validation, or a failed previous_event) publishes a failed header instead.
+// Errors raised once data moves (after `on_shapes`), and timeouts, fail the Buffer and are published.
+template <typename Body>
+static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
+                                                  std::optional<EventOverlap> previous, std::string failed_message,
+                                                  Body body) {
+  auto st = std::make_shared<detail::EventState>();
+  b.enqueue([&b, s, kind, previous, failed_message, body, st]() mutable {
+    engine::OpContext ctx(*b.transport, b.layout, s, kind, b.timeout_s);
+    bool moving = false;
+    try {
+      if (previous && failed_message.empty()) {
+        try {
+          previous->wait();
+        } catch (const std::exception& e) {
+          failed_message = detail::cat(ctx.prefix(), "previous_event failed: ", e.what());
+        }
+      }
+      if (!failed_message.empty()) {
+        ctx.publish_failed_header(kind, failed_message);
+        throw Error(ErrorCode::Aborted, failed_message);
+      }
+      body(ctx, [&] {
+        moving = true;
+        st->shapes_known();
+      });
+      st->complete(nullptr);
+    } catch (const Error& e) {
+      if (moving || e.code() == ErrorCode::Timeout) {
+        b.mark_failed(e.what());
+        ctx.publish_failure(e.what());
+      }
+      st->complete(std::current_exception());
+    } catch (const std::exception& e) {
+      std::string msg = detail::cat(ctx.prefix(), "internal error: ", e.what());
+      b.mark_failed(msg);
+      ctx.publish_failure(msg);
+      st->complete(std::make_exception_ptr(Error(ErrorCode::Internal, msg)));
+    }
+  });
+  return st;
+}
+
+// ---- get_dispatch_layout -------------------------------------------------------------------------------
+
+LayoutResult Buffer::get_dispatch_layout(const Tensor& topk_idx, int num_experts,
+                                         std::optional<EventOverlap> previous_event, bool, bool) {
+  Impl& b = *impl_;
+  b.check_usable("get_dispatch_layout");
+  if (previous_event) previous_event->wait();
+  const std::string pre = detail::cat("epcomm[rank ", b.rank, "] get_dispatch_layout: ");
+  try {
+    EPCOMM_CHECK(topk_idx.defined() && topk_idx.dim() == 2, "argument: topk_idx: expected a 2-D [num_tokens, num_topk] tensor, got ",
+                 topk_idx.defined() ? shape_str(topk_idx.shape()) : std::string("None"));
+    EPCOMM_CHECK(topk_idx.dtype() == DType::i64 || topk_idx.dtype() == DType::i32, "argument: topk_idx: dtype ",
+                 dtype_name(topk_idx.dtype()), ", expected i64 or i32");
+    EPCOMM_CHECK(topk_idx.is_contiguous(), "argument: topk_idx must be contiguous");
+    EPCOMM_CHECK(num_experts >= 1 && num_experts % b.num_ranks == 0, "argument: num_experts = ", num_experts,
+                 " must be a positive multiple of the number of ranks ", b.num_ranks);
+  } catch (const Error& e) {
+    throw Error(e.code(), pre + e.what());
+  }
+  const int64_t T = topk_idx.size(0);
+  const int K = static_cast<int>(topk_idx.size(1));
+  std::vector<int32_t> ids(static_cast<size_t>(T) * K);
+  try {
+    routing::normalize_topk_ids(topk_idx.data(), topk_idx.dtype() == DType::i64, T, K, num_experts, ids.data());
+  } catch (const Error& e) {
+    throw Error(e.code(), pre + e.what());
+  }
+  routing::ExpertMap map{num_experts, b.num_ranks, num_experts / b.num_ranks};
+  auto lay = routing::compute_layout(ids.data(), T, K, map, b.node_of_rank, b.num_nodes);
+  LayoutResult r;
+  Allocator* a = b.allocator.get();
+  r.num_tokens_per_rank = a->allocate(DType::i32, {b.num_ranks});
+  std::copy(lay.num_tokens_per_rank.begin(), lay.num_tokens_per_rank.end(), r.num_tokens_per_rank.data_as<int32_t>());
+  if (b.num_nodes > 1) {
+    r.num_tokens_per_rdma_rank = a->allocate(DType::i32, {b.num_nodes});
+    std::copy(lay.num_tokens_per_node.begin(), lay.num_tokens_per_node.end(), r.num_tokens_per_rdma_rank->data_as<int32_t>());
+  }
+  r.num_tokens_per_expert = a->allocate(DType::i32, {num_experts});
+  std::copy(lay.num_tokens_per_expert.begin(), lay.num_tokens_per_expert.end(), r.num_tokens_per_expert.data_as<int32_t>());
+  r.is_token_in_rank = a->allocate(DType::boolean, {T, b.num_ranks});
+  std::copy(lay.is_token_in_rank.begin(), lay.is_token_in_rank.end(), r.is_token_in_rank.data_as<uint8_t>());
+  return r;
+}
+
+// ---- dispatch ------------------------------------------------------------------------------------------
+
+static void allocate_dispatch_outputs(Buffer::Impl& b, const engine::DispatchInput& in, engine::DispatchOutput& out) {
+  const int64_t rows = in.cached ? in.handle->num_rows : in.num_worst_tokens;
+  const auto& f = in.format;
+  Allocator& a = *b.allocator;
+  out.recv_x.data = a.allocate(f.data_dtype, {rows, f.data_cols});
+  if (f.scale_row_bytes) {
+    using SS = engine::RowFormat::ScaleShape;
+    Shape ss = f.scale_shape == SS::vec ? Shape{rows} : f.scale_shape == SS::mat ? Shape{rows, f.scale_cols} : Shape{rows * f.scale_cols};
+    out.recv_x.scales = a.allocate(f.scale_dtype, ss);
+  }
+  if (in.cached) return;
+  if (in.num_topk > 0) {
+    out.recv_topk_idx = a.allocate(in.idx_dtype, {rows, in.num_topk});
+    out.recv_topk_weights = a.allocate(DType::f32, {rows, in.num_topk});
+  }
+  out.handle->recv_src_rank = a.allocate(DType::i32, {rows});
+  out.handle->recv_src_token = a.allocate(DType::i32, {rows});
+  out.handle->recv_src_slot = a.allocate(DType::i32, {rows});
+}
+
+DispatchResult Buffer::dispatch(const DispatchArgs& a) {
+  Impl& b = *impl_;
+  b.check_usable("dispatch");
+  const uint64_t s = ++b.seq;
+  const bool cached = a.handle != nullptr;
+  const char* opname = cached ? "dispatch(cached)" : "dispatch";
+  auto in = std::make_shared<engine::DispatchInput>();
+  ReceiveOrder order = b.options.receive_order;
+  std::optional<Error> verr;
+  try {
+    prepare_dispatch(b, a, *in, order);
+  } catch (const Error& e) {
+    verr = Error(e.code(), b.prefix(opname, s) + e.what());
+  }
+  auto out = std::make_shared<engine::DispatchOutput>();
+  // Outputs whose shapes are known now are allocated here, so that async_finish can return at once.
+  const bool early = !verr && (cached || in->num_worst_tokens > 0);
+  if (!verr) {
+    in->allocator = b.allocator.get();
+    in->poison = env::poison_outputs();
+    in->buffer_key = &b;
+    in->buffer_alive = b.alive;
+    if (!cached) out->handle = std::make_shared<Handle::Impl>();
+    if (early) allocate_dispatch_outputs(b, *in, *out);
+  }
+  auto st = launch(b, s, cached ? engine::OpKind::cached_dispatch : engine::OpKind::dispatch, a.previous_event,
+                   verr ? std::string(verr->what()) : std::string(),
+                   [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+                     engine::run_dispatch(ctx, *in, *out, on_shapes);
+                   });
+  if (verr) {
+    st->wait();
+    throw *verr;
+  }
+  if (!a.async_finish) {
+    if (auto e = st->wait()) std::rethrow_exception(e);
+  } else if (!early) {
+    if (auto e = st->wait_shapes()) std::rethrow_exception(e);
+  }
+  DispatchResult r;
+  r.recv_x = out->recv_x;
+  r.recv_topk_idx = out->recv_topk_idx;
+  r.recv_topk_weights = out->recv_topk_weights;
+  if (!cached) {
+    r.num_recv_tokens_per_expert_list = out->list;
+    if (a.async_finish && early) r.num_recv_tokens_per_expert_list = std::vector<int64_t>{};
+    r.handle = std::make_shared<const Handle>(out->handle);
+  }
+  r.event = EventOverlap(st);
+  return r;
+}
+
+// ---- combine -------------------------------------------------------------------------------------------
+
+CombineResult Buffer::combine(const CombineArgs& a) {
+  Impl& b = *impl_;
+  b.check_usable("combine");
+  const uint64_t s = ++b.seq;
+  auto in = std::make_shared<engine::CombineInput>();
+  auto out = std::make_shared<engine::CombineOutput>();
+  std::optional<Error> verr;
+  try {
+    prepare_combine(b, a, *in);
+  } catch (const Error& e) {
+    verr = Error(e.code(), b.prefix("combine", s) + e.what());
+  }
+  if (!verr) {
+    const Handle::Impl& hd = *in->handle;
+    in->poison = env::poison_outputs();
+    out->combined_x = b.allocator->allocate(in->dtype, {hd.num_tokens, in->hidden});
+    if (hd.order == ReceiveOrder::expert_major || in->recv_weights)
+      out->combined_topk_weights = b.allocator->allocate(DType::f32, {hd.num_tokens, hd.num_topk});
+  }
+  auto st = launch(b, s, engine::OpKind::combine, a.previous_event, verr ? std::string(verr->what()) : std::string(),
+                   [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+                     engine::run_combine(ctx, *in, *out, on_shapes);
+                   });
+  if (verr) {
+    st->wait();
+    throw *verr;
+  }
+  if (!a.async_finish)
+    if (auto e = st->wait()) std::rethrow_exception(e);
+  CombineResult r;
+  r.combined_x = out->combined_x;
+  r.combined_topk_weights = out->combined_topk_weights;
+  r.event = EventOverlap(st);
+  return r;
+}
+
+}  // namespace epcomm

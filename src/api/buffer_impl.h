@@ -1,0 +1,60 @@
+// api/buffer_impl.h — Buffer internals: the transport, the communication thread that runs operations one
+// at a time in call order, the sequence number and the failed state.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "engine/combine.h"
+#include "engine/dispatch.h"
+#include "engine/protocol.h"
+#include "epcomm/buffer.h"
+#include "transport/transport.h"
+
+namespace epcomm {
+
+struct Buffer::Impl {
+  std::shared_ptr<Group> group;
+  BufferOptions options;
+  int rank = 0, num_ranks = 1, num_nodes = 1;
+  std::vector<int> node_of_rank;
+  double timeout_s = 100;
+  int64_t nvl_bytes = 0;
+  std::shared_ptr<Allocator> allocator;
+  std::unique_ptr<Transport> transport;
+  engine::SegmentLayout layout;
+  std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
+  uint64_t seq = 0;                                       // last sequence number issued
+  bool destroyed = false;
+
+  std::mutex failed_mutex;
+  std::string failed_message;  // non-empty: the Buffer failed; later calls raise Aborted quoting it
+
+  // Communication thread.
+  std::thread comm;
+  std::mutex qm;
+  std::condition_variable qcv;
+  std::deque<std::function<void()>> queue;
+  bool stop = false;
+
+  void start_comm_thread();
+  void stop_comm_thread() noexcept;
+  void enqueue(std::function<void()> task);
+  std::string prefix(const char* op, uint64_t s) const;
+  void check_usable(const char* op) ;
+  void mark_failed(const std::string& message);
+  std::string failed() {
+    std::lock_guard<std::mutex> lk(failed_mutex);
+    return failed_message;
+  }
+};
+
+// Fills the engine input of a fresh or cached dispatch from the user's arguments; throws InvalidUsage
+// naming the argument, the expected and the actual value (no rank prefix: the caller adds it).
+void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in, ReceiveOrder& order);
+void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::CombineInput& in);
+
+}  // namespace epcomm

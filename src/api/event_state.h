@@ -1,0 +1,51 @@
+// api/event_state.h — completion state shared by an operation on the communication thread and the
+// EventOverlap handed to the caller; also signals "output shapes known" for asynchronous calls.
+#pragma once
+
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+
+#include "epcomm/event.h"
+
+namespace epcomm::detail {
+
+struct EventState {
+  void complete(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lk(m);
+    done = shapes = true;
+    err = e;
+    cv.notify_all();
+  }
+  void shapes_known() {
+    std::lock_guard<std::mutex> lk(m);
+    shapes = true;
+    cv.notify_all();
+  }
+  std::exception_ptr wait() {
+    std::unique_lock<std::mutex> lk(m);
+    cv.wait(lk, [&] { return done; });
+    return err;
+  }
+  // Waits until shapes are known or the operation ended; returns the error if it ended with one.
+  std::exception_ptr wait_shapes() {
+    std::unique_lock<std::mutex> lk(m);
+    cv.wait(lk, [&] { return shapes; });
+    return done ? err : nullptr;
+  }
+  bool is_complete() {
+    std::lock_guard<std::mutex> lk(m);
+    return done;
+  }
+  std::exception_ptr error() {
+    std::lock_guard<std::mutex> lk(m);
+    return err;
+  }
+
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false, shapes = false;
+  std::exception_ptr err;
+};
+
+}  // namespace epcomm::detail

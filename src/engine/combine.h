@@ -1,0 +1,41 @@
+// engine/combine.h — the combine protocol: each origin opens a window over its own tokens; every rank that
+// holds copies of those tokens writes them into the window's fixed slots; the origin reduces them in
+// canonical order (spec/normal-mode.md §5) straight into combined_x.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "engine/handle_impl.h"
+#include "engine/op_context.h"
+
+namespace epcomm::engine {
+
+struct CombineInput {
+  const Handle::Impl* handle = nullptr;
+  std::shared_ptr<const Handle> keep_handle;  // keeps `handle` alive until the call completes
+  DType dtype = DType::bf16;
+  int64_t hidden = 0;        // H'
+  const uint8_t* x = nullptr;  // [num_rows, H'] contiguous
+  // expert_major: weights used per own (t, k) ([T*K], already masked to +0 at -1 slots).
+  std::vector<float> weights_used;
+  // rank_major: receiving-side weights g ([num_rows, K] f32 contiguous) or null.
+  const float* recv_weights = nullptr;
+  const uint8_t* bias1 = nullptr;  // [T, H'] or null
+  const uint8_t* bias2 = nullptr;
+  int32_t chunks[4] = {0, 0, 0, 0};
+  bool poison = false;
+  std::optional<Tensor> cost_stats;
+  std::vector<Tensor> keep;  // user tensors held until the call completes
+};
+
+// Allocated by the caller: combined_x [T, H'] and, when returned, combined_topk_weights [T, K].
+struct CombineOutput {
+  Tensor combined_x;
+  std::optional<Tensor> combined_topk_weights;
+};
+
+void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, const std::function<void()>& on_shapes);
+
+}  // namespace epcomm::engine

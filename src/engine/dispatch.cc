@@ -1,0 +1,430 @@
+// engine/dispatch.cc — dispatch: each sender stages its tokens (quantized once) in its own segment, window
+// by window (two halves, so staging overlaps pulling); every receiver walks each source's window and copies
+// the rows it owns straight to their final offsets, computed from the exchanged counts.
+#include "engine/dispatch.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "engine/kernels.h"
+#include "quant/row.h"
+#include "routing/layout.h"
+
+namespace epcomm::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t num_windows(int64_t tokens, int64_t window) { return (tokens + window - 1) / window; }
+
+// Metadata staged after each token's payload: K ids and K weights (top-k) or R destination flags.
+size_t meta_bytes_of(int num_topk, int num_ranks, bool cached) {
+  if (cached) return 0;
+  return num_topk > 0 ? static_cast<size_t>(num_topk) * 8 : static_cast<size_t>(num_ranks);
+}
+
+struct Outputs {
+  uint8_t* data = nullptr;
+  uint8_t* scales = nullptr;
+  size_t data_row = 0, scale_row = 0;
+  void* idx = nullptr;
+  bool idx64 = true;
+  float* weights = nullptr;
+  int K = 0;
+  int32_t *src_rank = nullptr, *src_token = nullptr, *src_slot = nullptr;
+
+  void copy_payload(int64_t row, const uint8_t* payload) const {
+    copy_row(data + row * data_row, payload, data_row);
+    if (scale_row) std::memcpy(scales + row * scale_row, payload + data_row, scale_row);
+  }
+  void set_idx(int64_t row, int k, int64_t v) const {
+    if (idx64)
+      static_cast<int64_t*>(idx)[row * K + k] = v;
+    else
+      static_cast<int32_t*>(idx)[row * K + k] = static_cast<int32_t>(v);
+  }
+  // PAD and tail rows: zero payload, ids -1, weights +0, source -1.
+  void fill_empty(int64_t begin, int64_t end) const {
+    if (begin >= end) return;
+    std::memset(data + begin * data_row, 0, (end - begin) * data_row);
+    if (scale_row) std::memset(scales + begin * scale_row, 0, (end - begin) * scale_row);
+    for (int64_t r = begin; r < end; ++r) {
+      if (idx)
+        for (int k = 0; k < K; ++k) set_idx(r, k, -1);
+      if (weights) std::memset(weights + r * K, 0, sizeof(float) * K);
+      if (src_rank) src_rank[r] = src_token[r] = src_slot[r] = -1;
+    }
+  }
+};
+
+void poison(const Tensor& t, bool on) {
+  if (on && t.nbytes()) std::memset(t.data(), 0xFF, t.nbytes());
+}
+
+}  // namespace
+
+void add_cost_stats(const Tensor& stats, const std::vector<int64_t>& micros) {
+  for (size_t r = 0; r < micros.size(); ++r) {
+    int64_t us = std::max<int64_t>(micros[r], 0);
+    if (stats.dtype() == DType::i64) {
+      stats.data_as<int64_t>()[r] += us;
+    } else {
+      int64_t v = static_cast<int64_t>(stats.data_as<int32_t>()[r]) + us;
+      stats.data_as<int32_t>()[r] = static_cast<int32_t>(std::min<int64_t>(v, INT32_MAX));
+    }
+  }
+}
+
+void check_headers_match(const OpContext& ctx) {
+  const int R = ctx.size();
+  auto differs = [&](auto get) {
+    for (int r = 1; r < R; ++r)
+      if (get(ctx.header(r)) != get(ctx.header(0))) return true;
+    return false;
+  };
+  auto report = [&](const char* name, auto get) {
+    if (!differs(get)) return;
+    std::string per_rank;
+    for (int r = 0; r < R; ++r) per_rank += detail::cat(r ? ", " : "", "rank ", r, " = ", get(ctx.header(r)));
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "mismatch: ranks disagree on ", name, ": ", per_rank);
+  };
+  auto order_name = [](const HeaderData* h) { return std::string(receive_order_name(static_cast<ReceiveOrder>(h->order))); };
+  report("the operation", [](const HeaderData* h) { return std::string(op_kind_name(static_cast<OpKind>(h->op))); });
+  report("receive_order", order_name);
+  report("handle (dispatch id)", [](const HeaderData* h) { return h->handle_id; });
+  report("num_experts", [](const HeaderData* h) { return h->num_experts; });
+  report("num_topk", [](const HeaderData* h) { return h->num_topk; });
+  report("hidden", [](const HeaderData* h) { return h->hidden; });
+  report("payload dtype", [](const HeaderData* h) { return std::string(dtype_name(static_cast<DType>(h->dtype))); });
+  report("quant_mode", [](const HeaderData* h) {
+    return std::string(h->quant_mode < 0 ? "plain" : quant_mode_name(static_cast<QuantMode>(h->quant_mode)));
+  });
+  report("presence of topk_idx", [](const HeaderData* h) { return (h->flags & kHasTopk) != 0; });
+  report("presence of weights", [](const HeaderData* h) { return (h->flags & kHasWeights) != 0; });
+  report("expert_alignment", [](const HeaderData* h) { return h->expert_alignment; });
+  report("config.num_max_nvl_chunked_send_tokens", [](const HeaderData* h) { return h->chunks[0]; });
+  report("config.num_max_nvl_chunked_recv_tokens", [](const HeaderData* h) { return h->chunks[1]; });
+  report("config.num_max_rdma_chunked_send_tokens", [](const HeaderData* h) { return h->chunks[2]; });
+  report("config.num_max_rdma_chunked_recv_tokens", [](const HeaderData* h) { return h->chunks[3]; });
+}
+
+void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, const std::function<void()>& on_shapes) {
+  const int R = ctx.size(), me = ctx.rank();
+  const Handle::Impl* hd = in.handle.get();
+  const int K = in.cached ? hd->num_topk : in.num_topk;
+  const bool has_topk = in.cached ? hd->has_topk : in.num_topk > 0;
+  const auto t_start = Clock::now();
+
+  // 1. Header (and counts, for a fresh dispatch).
+  HeaderData& h = ctx.begin_header(in.cached ? OpKind::cached_dispatch : OpKind::dispatch);
+  h.order = static_cast<uint32_t>(in.order);
+  h.flags = (has_topk ? kHasTopk | kHasWeights : 0) | (!has_topk ? kHasInRank : 0);
+  h.num_experts = in.num_experts;
+  h.num_topk = K;
+  h.dtype = static_cast<int32_t>(in.format.data_dtype);
+  h.quant_mode = in.format.plain ? -1 : static_cast<int32_t>(in.format.mode);
+  h.hidden = in.hidden;
+  h.row_bytes = static_cast<int64_t>(in.format.data_row_bytes + in.format.scale_row_bytes);
+  h.num_tokens = in.num_tokens;
+  h.expert_alignment = in.expert_alignment;
+  h.num_worst_tokens = in.num_worst_tokens;
+  h.handle_id = in.cached ? hd->seq : 0;
+  std::copy(std::begin(in.chunks), std::end(in.chunks), h.chunks);
+  if (!in.cached) {
+    h.num_counts = in.num_experts + R;
+    int32_t* c = ctx.counts(me);
+    std::copy(in.pairs_per_expert.begin(), in.pairs_per_expert.end(), c);
+    std::copy(in.tokens_per_rank.begin(), in.tokens_per_rank.end(), c + in.num_experts);
+  }
+  ctx.publish_header();
+  ctx.exchange_headers();
+  check_headers_match(ctx);
+
+  const auto t_headers = Clock::now();
+  std::vector<int64_t> tokens_of(R);
+  for (int s = 0; s < R; ++s) tokens_of[s] = ctx.header(s)->num_tokens;
+
+  // 2. The receive plan: exact rows of every receiver, known on every rank.
+  const int L = in.num_experts / R;
+  routing::ExpertMap map{in.num_experts, R, L};
+  routing::ReceivePlan plan;
+  if (!in.cached) {
+    std::vector<const int32_t*> pairs(R), toks(R);
+    for (int s = 0; s < R; ++s) {
+      pairs[s] = ctx.counts(s);
+      toks[s] = ctx.counts(s) + in.num_experts;
+    }
+    for (int d = 0; d < R; ++d) {
+      routing::ReceivePlan p = routing::plan_receive(d, in.order, map, in.expert_alignment, pairs, toks);
+      int64_t worst = ctx.header(d)->num_worst_tokens;
+      if (worst > 0 && p.num_recv_rows > worst)
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: receiving rank ", d, " gets N = ", p.num_recv_rows,
+                     " rows but its num_worst_tokens = ", worst, "; nothing was sent (rows are never truncated)");
+      if (d == me) plan = std::move(p);
+    }
+    EPCOMM_CHECK(plan.num_recv_rows < (int64_t{1} << 31), ctx.prefix(), "argument: rank ", me, " would receive ",
+                 plan.num_recv_rows, " rows, more than 2^31 - 1");
+  }
+
+  // 3. Window geometry; only a segment that cannot hold one staged token is an error.
+  const size_t row_bytes = in.format.data_row_bytes + in.format.scale_row_bytes;
+  const size_t meta = meta_bytes_of(K, R, in.cached);
+  const DispatchGeometry geo = dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta);
+  if (geo.window < 1)
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
+                 " cannot hold one staged token of ", row_bytes, " bytes (+", meta,
+                 " bytes of routing); the minimum for this call is ",
+                 control_bytes(R) + dispatch_min_data_bytes(row_bytes, meta));
+
+  // 4. Outputs.
+  const int64_t N = in.cached ? hd->num_recv_rows : plan.num_recv_rows;
+  const int64_t rows = in.cached ? hd->num_rows : (in.num_worst_tokens > 0 ? in.num_worst_tokens : N);
+  const RowFormat& f = in.format;
+  Outputs o;
+  // Outputs whose shape is known locally (cached and worst-case dispatch) were allocated by the caller.
+  if (!out.recv_x.data.defined()) {
+    out.recv_x.data = in.allocator->allocate(f.data_dtype, {rows, f.data_cols});
+    if (f.scale_row_bytes) {
+      Shape ss = f.scale_shape == RowFormat::ScaleShape::vec   ? Shape{rows}
+                 : f.scale_shape == RowFormat::ScaleShape::mat ? Shape{rows, f.scale_cols}
+                                                               : Shape{rows * f.scale_cols};
+      out.recv_x.scales = in.allocator->allocate(f.scale_dtype, ss);
+    }
+    if (!in.cached && has_topk) {
+      out.recv_topk_idx = in.allocator->allocate(in.idx_dtype, {rows, K});
+      out.recv_topk_weights = in.allocator->allocate(DType::f32, {rows, K});
+    }
+  }
+  poison(out.recv_x.data, in.poison);
+  if (out.recv_x.scales) poison(*out.recv_x.scales, in.poison);
+  o.data = out.recv_x.data.data_as<uint8_t>();
+  o.data_row = f.data_row_bytes;
+  if (f.scale_row_bytes) {
+    o.scales = out.recv_x.scales->data_as<uint8_t>();
+    o.scale_row = f.scale_row_bytes;
+  }
+  o.K = K;
+  Handle::Impl* nh = out.handle.get();
+  if (!in.cached) {
+    if (has_topk) {
+      poison(*out.recv_topk_idx, in.poison);
+      poison(*out.recv_topk_weights, in.poison);
+      o.idx = out.recv_topk_idx->data();
+      o.idx64 = in.idx_dtype == DType::i64;
+      o.weights = out.recv_topk_weights->data_as<float>();
+    }
+    if (!nh->recv_src_rank.defined()) {
+      nh->recv_src_rank = in.allocator->allocate(DType::i32, {rows});
+      nh->recv_src_token = in.allocator->allocate(DType::i32, {rows});
+      nh->recv_src_slot = in.allocator->allocate(DType::i32, {rows});
+    }
+    o.src_rank = nh->recv_src_rank.data_as<int32_t>();
+    o.src_token = nh->recv_src_token.data_as<int32_t>();
+    o.src_slot = nh->recv_src_slot.data_as<int32_t>();
+    if (in.order == ReceiveOrder::expert_major)
+      for (int j = 0; j < L; ++j) o.fill_empty(plan.pad_begin[j], plan.block_end[j]);
+    o.fill_empty(N, rows);
+    out.list = in.num_worst_tokens > 0 ? std::vector<int64_t>{} : plan.list;
+  } else {
+    const int32_t* src = hd->recv_src_rank.data_as<int32_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      if (src[r] < 0) o.fill_empty(r, r + 1);
+  }
+  on_shapes();
+
+  // 5. Rounds: stage own windows, pull every source's windows.
+  const std::vector<int64_t>& rows_from = in.cached ? hd->rows_per_source : plan.rows_per_source;
+  const std::vector<int32_t>& my_dest_tokens = in.cached ? hd->tokens_per_rank : in.tokens_per_rank;
+  const int64_t W = geo.window;
+  const int64_t my_nwin = num_windows(in.num_tokens, W);
+  std::vector<int64_t> nwin(R), pulled(R, 0), done_us(R, -1);
+  for (int s = 0; s < R; ++s) {
+    nwin[s] = rows_from[s] > 0 ? num_windows(tokens_of[s], W) : 0;
+    if (nwin[s] == 0)
+      done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(t_headers - t_start).count();
+  }
+  uint8_t* my_area = ctx.data(me);
+  const uint64_t seq = ctx.seq();
+
+  // Receive cursors (fresh): next row of (s, j) in expert_major or of s in rank_major.
+  std::vector<int64_t> cursor = plan.start;
+  std::vector<int64_t> src_fill;
+  if (!in.cached) {
+    nh->source_offsets.assign(R + 1, 0);
+    for (int s = 0; s < R; ++s) nh->source_offsets[s + 1] = nh->source_offsets[s] + rows_from[s];
+    nh->source_rows.resize(nh->source_offsets[R]);
+    src_fill.assign(nh->source_offsets.begin(), nh->source_offsets.end() - 1);
+  }
+  std::vector<int64_t> cached_pos(R);
+  if (in.cached)
+    for (int s = 0; s < R; ++s) cached_pos[s] = hd->source_offsets[s];
+
+  auto stage = [&](int64_t w) {
+    uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
+    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* dst = half + (t - t0) * geo.row_stride;
+      const uint8_t* x = in.x + t * in.x_row_bytes;
+      if (f.quantize) {
+        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
+      } else {
+        copy_row(dst, x, f.data_row_bytes);
+        if (in.scales) gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
+                                     f.scale_cols, dtype_size(f.scale_dtype));
+      }
+      if (meta) {
+        uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
+        if (K > 0) {
+          std::memcpy(m, &in.ids[t * K], sizeof(int32_t) * K);
+          std::memcpy(m + 4 * K, &in.weights[t * K], sizeof(float) * K);
+        } else {
+          std::memcpy(m, &in.in_rank[t * R], R);
+        }
+      }
+    }
+  };
+
+  auto pull = [&](int s, int64_t w) {
+    const uint8_t* half = ctx.data(s) + static_cast<size_t>(w % 2) * geo.half_bytes;
+    const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);
+    if (in.cached) {
+      const int32_t* src_tok = hd->recv_src_token.data_as<int32_t>();
+      int64_t& pos = cached_pos[s];
+      const int64_t end = hd->source_offsets[s + 1];
+      while (pos < end) {
+        int32_t row = hd->source_rows[pos];
+        if (src_tok[row] >= t1) break;
+        o.copy_payload(row, half + (src_tok[row] - t0) * geo.row_stride);
+        ++pos;
+      }
+      return;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* payload = half + (t - t0) * geo.row_stride;
+      const uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
+      if (K == 0) {  // rank_major without top-k
+        if (!m[me]) continue;
+        int64_t row = cursor[s]++;
+        o.copy_payload(row, payload);
+        o.src_rank[row] = s;
+        o.src_token[row] = static_cast<int32_t>(t);
+        o.src_slot[row] = -1;
+        nh->source_rows[src_fill[s]++] = static_cast<int32_t>(row);
+        continue;
+      }
+      int32_t ids[64];
+      float ws[64];
+      const int32_t* idp = reinterpret_cast<const int32_t*>(m);
+      const float* wp = reinterpret_cast<const float*>(m + 4 * K);
+      if (K <= 64) {
+        std::memcpy(ids, idp, 4 * K);
+        std::memcpy(ws, wp, 4 * K);
+        idp = ids;
+        wp = ws;
+      }
+      if (in.order == ReceiveOrder::expert_major) {
+        for (int k = 0; k < K; ++k) {
+          int32_t e = idp[k];
+          if (e < 0 || map.rank_of(e) != me) continue;
+          int j = map.local_of(e);
+          int64_t row = cursor[static_cast<size_t>(s) * L + j]++;
+          o.copy_payload(row, payload);
+          for (int kk = 0; kk < K; ++kk) o.set_idx(row, kk, kk == k ? j : -1);
+          for (int kk = 0; kk < K; ++kk) o.weights[row * K + kk] = kk == k ? wp[k] : 0.0f;
+          o.src_rank[row] = s;
+          o.src_token[row] = static_cast<int32_t>(t);
+          o.src_slot[row] = k;
+          nh->source_rows[src_fill[s]++] = static_cast<int32_t>(row);
+        }
+      } else {
+        bool mine = false;
+        for (int k = 0; k < K; ++k) mine |= idp[k] >= 0 && map.rank_of(idp[k]) == me;
+        if (!mine) continue;
+        int64_t row = cursor[s]++;
+        o.copy_payload(row, payload);
+        for (int k = 0; k < K; ++k) {
+          bool here = idp[k] >= 0 && map.rank_of(idp[k]) == me;
+          o.set_idx(row, k, here ? idp[k] - me * L : -1);
+          o.weights[row * K + k] = here ? wp[k] : 0.0f;
+        }
+        o.src_rank[row] = s;
+        o.src_token[row] = static_cast<int32_t>(t);
+        o.src_slot[row] = -1;
+        nh->source_rows[src_fill[s]++] = static_cast<int32_t>(row);
+      }
+    }
+  };
+
+  int64_t staged = 0;
+  auto can_stage = [&](int64_t w) {
+    if (w < 2) return true;
+    for (int p = 0; p < R; ++p)
+      if (my_dest_tokens[p] > 0 && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, w - 1)) return false;
+    return true;
+  };
+  ctx.run(
+      "data",
+      [&](bool& progressed) {
+        while (staged < my_nwin && can_stage(staged)) {
+          stage(staged);
+          ++staged;
+          ctx.control(me)->stage_ready.store(pack(seq, staged), std::memory_order_seq_cst);
+          for (int p = 0; p < R; ++p)
+            if (my_dest_tokens[p] > 0 && p != me) ctx.transport().notify(p);
+          progressed = true;
+        }
+        bool all = staged == my_nwin;
+        for (int s = 0; s < R; ++s) {
+          while (pulled[s] < nwin[s] &&
+                 ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {
+            pull(s, pulled[s]);
+            ++pulled[s];
+            ctx.signal(ctx.cell(s, me)->ack, pack(seq, pulled[s]), s);
+            progressed = true;
+            if (pulled[s] == nwin[s])
+              done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
+          }
+          all = all && pulled[s] == nwin[s];
+        }
+        return all;
+      },
+      [&] {
+        std::vector<int> peers;
+        for (int s = 0; s < R; ++s)
+          if (pulled[s] < nwin[s]) peers.push_back(s);
+        if (staged < my_nwin)
+          for (int p = 0; p < R; ++p)
+            if (my_dest_tokens[p] > 0 && std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
+        return peers;
+      });
+
+  if (in.cost_stats) add_cost_stats(*in.cost_stats, done_us);
+  if (in.cached) return;
+
+  // 6. The handle (allocated by the caller, filled here).
+  nh->buffer_key = in.buffer_key;
+  nh->buffer_alive = in.buffer_alive;
+  nh->seq = seq;
+  nh->order = in.order;
+  nh->num_ranks = R;
+  nh->num_experts = in.num_experts;
+  nh->num_topk = K;
+  nh->num_local = L;
+  nh->num_tokens = in.num_tokens;
+  nh->num_recv_rows = N;
+  nh->num_rows = rows;
+  nh->expert_alignment = in.expert_alignment;
+  nh->num_worst_tokens = in.num_worst_tokens;
+  nh->hidden = in.hidden;
+  nh->has_topk = has_topk;
+  nh->topk_ids = in.ids;
+  nh->topk_weights = in.weights;
+  nh->in_rank = in.in_rank;
+  nh->tokens_per_rank = in.tokens_per_rank;
+  nh->list = plan.list;
+  nh->cnt = plan.cnt;
+  nh->rows_per_source = plan.rows_per_source;
+}
+
+}  // namespace epcomm::engine

@@ -1,0 +1,76 @@
+// engine/dispatch.h — the dispatch protocol (fresh and cached) over a Transport: header and count
+// exchange, then rounds of staged windows that every receiver pulls straight into its outputs.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "engine/handle_impl.h"
+#include "engine/op_context.h"
+#include "epcomm/buffer.h"
+
+namespace epcomm::engine {
+
+// How one row travels: `data_row_bytes` of data, then `scale_row_bytes` of scales.
+struct RowFormat {
+  DType data_dtype = DType::bf16;
+  int64_t data_cols = 0;  // elements of data_dtype per row
+  size_t data_row_bytes = 0;
+  DType scale_dtype = DType::f32;
+  size_t scale_row_bytes = 0;  // 0: no scales
+  enum class ScaleShape { none, vec, mat, flat } scale_shape = ScaleShape::none;
+  int64_t scale_cols = 0;  // elements per row
+  std::optional<QuantMode> quantize;  // quantize x (of x_dtype) on the sender into this format
+  QuantMode mode = QuantMode::bf16;   // for the header
+  bool plain = true;
+};
+
+struct DispatchInput {
+  bool cached = false;
+  ReceiveOrder order = ReceiveOrder::expert_major;
+  int num_experts = 0, num_topk = 0;  // num_topk 0: no top-k (rank_major with is_token_in_rank)
+  int64_t num_tokens = 0, hidden = 0, expert_alignment = 1, num_worst_tokens = 0;
+  RowFormat format;
+  DType x_dtype = DType::bf16;
+  const uint8_t* x = nullptr;  // [T, row] contiguous (x_dtype, or data_dtype for pre-quantized input)
+  size_t x_row_bytes = 0;
+  const uint8_t* scales = nullptr;  // pre-quantized scales: element (t, c) at scales + (t*st0 + c*st1)*size
+  int64_t scale_stride0 = 0, scale_stride1 = 0;
+  DType idx_dtype = DType::i64;
+  std::vector<int32_t> ids;        // [T*K] normalized
+  std::vector<float> weights;      // [T*K]
+  std::vector<uint8_t> in_rank;    // [T*R]
+  std::vector<int32_t> pairs_per_expert;  // [E]
+  std::vector<int32_t> tokens_per_rank;   // [R]
+  std::shared_ptr<const Handle::Impl> handle;  // cached dispatch
+  int32_t chunks[4] = {0, 0, 0, 0};
+  Allocator* allocator = nullptr;
+  bool poison = false;
+  const void* buffer_key = nullptr;
+  std::weak_ptr<void> buffer_alive;
+  std::optional<Tensor> cost_stats;  // [R] i64 or i32, accumulated
+  std::vector<Tensor> keep;          // user tensors held until the call completes
+};
+
+// Outputs left undefined are allocated by run_dispatch; the caller pre-allocates those whose shapes it knows
+// (cached and worst-case dispatch) so that an asynchronous call can return before the count exchange.
+// `handle` is created by the caller for a fresh dispatch and filled here.
+struct DispatchOutput {
+  Payload recv_x;
+  std::optional<Tensor> recv_topk_idx, recv_topk_weights;
+  std::vector<int64_t> list;
+  std::shared_ptr<Handle::Impl> handle;
+};
+
+// Runs one dispatch. `on_shapes` is called once the outputs exist (before any payload moves).
+void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, const std::function<void()>& on_shapes);
+
+// The check every rank runs on all headers: parameters that must match (normal-mode.md §8).
+void check_headers_match(const OpContext& ctx);
+
+// Adds elapsed microseconds into a cost-statistics tensor ([R] i64, or i32 saturating).
+void add_cost_stats(const Tensor& stats, const std::vector<int64_t>& micros);
+
+}  // namespace epcomm::engine

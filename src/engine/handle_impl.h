@@ -1,0 +1,38 @@
+// engine/handle_impl.h — the contents of a dispatch Handle: the routes of this rank's tokens and the
+// placement of the rows it received, everything combine and cached re-dispatch need.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "epcomm/buffer.h"
+
+namespace epcomm {
+
+struct Handle::Impl {
+  const void* buffer_key = nullptr;  // identity of the Buffer that made it
+  std::weak_ptr<void> buffer_alive;  // expires when that Buffer is destroyed
+  uint64_t seq = 0;                  // the dispatch's group-wide sequence number
+  ReceiveOrder order = ReceiveOrder::expert_major;
+  int num_ranks = 1, num_experts = 0, num_topk = 0, num_local = 0;
+  int64_t num_tokens = 0, num_recv_rows = 0, num_rows = 0, expert_alignment = 1, num_worst_tokens = 0;
+  int64_t hidden = 0;
+
+  // Own tokens: normalized ids [T*K] (-1 = none), weights [T*K] (empty without top-k), destination ranks
+  // [T*R] and tokens per destination rank [R].
+  bool has_topk = false;
+  std::vector<int32_t> topk_ids;
+  std::vector<float> topk_weights;
+  std::vector<uint8_t> in_rank;
+  std::vector<int32_t> tokens_per_rank;
+
+  // Received rows.
+  std::vector<int64_t> list, cnt, rows_per_source;
+  Tensor recv_src_rank, recv_src_token, recv_src_slot;  // [num_rows] i32
+  // Rows grouped by source rank (CSR), each group ordered by (source token, slot).
+  std::vector<int64_t> source_offsets;  // [R + 1]
+  std::vector<int32_t> source_rows;
+};
+
+}  // namespace epcomm

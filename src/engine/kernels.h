@@ -1,0 +1,24 @@
+// engine/kernels.h — the copy and reduction loops of the data path.
+// Whole rows at a time; results never depend on vector width (no FMA, fixed summation order).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "epcomm/tensor.h"
+
+namespace epcomm::engine {
+
+// Copies one payload row.
+void copy_row(void* dst, const void* src, size_t bytes);
+
+// Packs row t of a strided scales tensor (element (t, c) at base + (t*st0 + c*st1) * elem) contiguously.
+void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols, size_t elem);
+
+// One combined token (spec/normal-mode.md §5.1 on one node): p = +0; p = p + f32(w_i * f32(x_i)) for each
+// contribution in order (unweighted when `weights` is null); acc = +0 + p; then the biases; one rounding.
+// `rows[i]` points at contribution i (dtype `dt`, `hidden` elements); bias pointers may be null.
+void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
+                  const uint8_t* bias1, const uint8_t* bias2, uint8_t* out);
+
+}  // namespace epcomm::engine

@@ -1,0 +1,131 @@
+// engine/op_context.cc — header exchange, failure notices and timeouts.
+#include "engine/op_context.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+namespace epcomm::engine {
+
+OpContext::OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, OpKind op, double timeout_s)
+    : tp_(tp),
+      layout_(layout),
+      rank_(tp.rank()),
+      size_(tp.size()),
+      seq_(seq),
+      op_(op),
+      timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
+      timeout_s_(timeout_s) {}
+
+std::string OpContext::prefix() const { return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", seq_, ": "); }
+
+HeaderData& OpContext::begin_header(OpKind op) {
+  HeaderData* h = header(rank_);
+  h->seq.store(0, std::memory_order_relaxed);
+  h->op = static_cast<uint32_t>(op);
+  h->failed = 0;
+  h->order = h->flags = 0;
+  h->num_experts = h->num_topk = h->dtype = h->quant_mode = 0;
+  h->hidden = h->row_bytes = h->num_tokens = h->expert_alignment = h->num_worst_tokens = 0;
+  h->handle_id = 0;
+  std::fill(std::begin(h->chunks), std::end(h->chunks), 0);
+  h->num_counts = 0;
+  h->message[0] = '\0';
+  return *h;
+}
+
+void OpContext::publish_header() {
+  header(rank_)->seq.store(seq_, std::memory_order_seq_cst);
+  notify_all();
+}
+
+void OpContext::publish_failed_header(OpKind op, const std::string& message) {
+  HeaderData& h = begin_header(op);
+  h.failed = 1;
+  size_t n = std::min(message.size(), kMessageBytes - 1);
+  std::memcpy(h.message, message.data(), n);
+  h.message[n] = '\0';
+  publish_header();
+  exchange_headers();
+}
+
+void OpContext::signal(std::atomic<uint64_t>& word, uint64_t value, int owner) const {
+  word.store(value, std::memory_order_seq_cst);
+  tp_.notify(owner);
+}
+
+void OpContext::notify_all() const {
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) tp_.notify(r);
+}
+
+uint64_t OpContext::last_seq_seen(int r) const {
+  uint64_t a = header_slot(r, 0)->seq.load(std::memory_order_acquire);
+  uint64_t b = header_slot(r, 1)->seq.load(std::memory_order_acquire);
+  return std::max(a, b);
+}
+
+void OpContext::exchange_headers() {
+  std::vector<uint8_t> arrived(size_, 0);
+  arrived[rank_] = 1;
+  int missing = size_ - 1;
+  run(
+      "header exchange",
+      [&](bool& progressed) {
+        for (int r = 0; r < size_; ++r) {
+          if (arrived[r]) continue;
+          if (header(r)->seq.load(std::memory_order_acquire) == seq_) {
+            arrived[r] = 1;
+            --missing;
+            progressed = true;
+          }
+        }
+        return missing == 0;
+      },
+      [&] {
+        std::vector<int> peers;
+        for (int r = 0; r < size_; ++r)
+          if (!arrived[r]) peers.push_back(r);
+        return peers;
+      });
+  // A peer whose validation failed: every other rank raises Aborted quoting the first such rank.
+  if (header(rank_)->failed) return;  // the caller raises its own error
+  for (int r = 0; r < size_; ++r) {
+    const HeaderData* h = header(r);
+    if (h->failed)
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r, " failed this call: ",
+                   std::string(h->message, strnlen(h->message, kMessageBytes)));
+  }
+}
+
+void OpContext::check_peers_alive() const {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const Control* c = control(r);
+    if (c->failed.load(std::memory_order_acquire) != 0)
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r, " failed: ",
+                   std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
+  }
+}
+
+void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) const {
+  std::ostringstream os;
+  os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for rank";
+  if (peers.size() != 1) os << 's';
+  for (size_t i = 0; i < peers.size(); ++i)
+    os << (i ? ", " : " ") << peers[i] << " (last call seen: #" << last_seq_seen(peers[i]) << ")";
+  if (peers.empty()) os << "s (none recorded)";
+  throw Error(ErrorCode::Timeout, os.str());
+}
+
+void OpContext::publish_failure(const std::string& message) const {
+  Control* c = control(rank_);
+  if (c->failed.load(std::memory_order_acquire) != 0) return;
+  size_t n = std::min(message.size(), kMessageBytes - 1);
+  std::memcpy(c->failed_message, message.data(), n);
+  c->failed_message[n] = '\0';
+  c->failed.store(seq_ + 1, std::memory_order_seq_cst);
+  notify_all();
+}
+
+}  // namespace epcomm::engine

@@ -1,0 +1,84 @@
+// engine/protocol.h — what the engine keeps in every rank's segment: control words, the header ring and
+// the data area, carved by one function that also gives the minimum size (size hints use the same one).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace epcomm::engine {
+
+constexpr int kMaxExperts = 16384;  // counts capacity of a header slot
+constexpr int kMaxRanks = 1024;
+constexpr size_t kMessageBytes = 1024;
+constexpr size_t kAlign = 64;
+
+inline size_t align64(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+enum class OpKind : uint32_t { dispatch = 1, cached_dispatch = 2, combine = 3 };
+const char* op_kind_name(OpKind op);
+
+// Flags of HeaderData::flags.
+enum : uint32_t { kHasTopk = 1, kHasWeights = 2, kHasBias = 4, kHasInRank = 8 };
+
+// One collective call's header: parameters that must match across ranks, this rank's validation status
+// and message. Written with plain stores, then `seq` is released; readers acquire `seq` first.
+struct HeaderData {
+  std::atomic<uint64_t> seq;
+  uint32_t op;
+  uint32_t failed;  // 1: this rank's validation (or previous_event) failed; message says why
+  uint32_t order;
+  uint32_t flags;
+  int32_t num_experts, num_topk, dtype, quant_mode;
+  int64_t hidden, row_bytes, num_tokens, expert_alignment, num_worst_tokens;
+  uint64_t handle_id;
+  int32_t chunks[4];
+  int32_t num_counts;  // entries of the counts array that follows: E pairs per expert, then R tokens per rank
+  char message[kMessageBytes];
+};
+
+// Control words at the start of every segment.
+struct alignas(64) Control {
+  std::atomic<uint64_t> failed;       // 0, or 1 + sequence number of the call in which this rank failed
+  std::atomic<uint64_t> stage_ready;  // dispatch: pack(seq, w + 1) once window w is staged
+  std::atomic<uint64_t> combine_open; // combine: pack(seq, w + 1) once window w may be written
+  char failed_message[kMessageBytes];
+};
+
+// Written by peer p into this rank's segment.
+struct alignas(64) PeerCell {
+  std::atomic<uint64_t> ack;   // dispatch: p finished reading our window: pack(seq, w + 1)
+  std::atomic<uint64_t> done;  // combine: p finished writing into our window: pack(seq, w + 1)
+};
+
+inline uint64_t pack(uint64_t seq, uint64_t w) { return (seq << 32) | w; }
+
+struct SegmentLayout {
+  size_t control = 0, cells = 0, headers = 0, header_bytes = 0, data = 0, data_bytes = 0, total = 0;
+};
+
+// Carves a segment of `segment_bytes` for `num_ranks`; data_bytes is 0 when it does not even fit the
+// control part (the caller reports capacity).
+SegmentLayout carve(size_t segment_bytes, int num_ranks);
+// Bytes of everything but the data area.
+size_t control_bytes(int num_ranks);
+
+// Per-call data-area geometry. Dispatch: the area is two halves, each holding `window` staged tokens
+// (payload at stride `row_stride`, then metadata at stride `meta_stride`). Combine: one window of
+// `window` origin tokens × `slots` contributions (row at stride `row_stride`, then weights).
+struct DispatchGeometry {
+  size_t row_stride, meta_stride, half_bytes;
+  int64_t window;  // tokens per half; 0 = does not fit
+};
+DispatchGeometry dispatch_geometry(size_t data_bytes, size_t row_bytes, size_t meta_bytes);
+size_t dispatch_min_data_bytes(size_t row_bytes, size_t meta_bytes);
+
+struct CombineGeometry {
+  size_t row_stride, weight_stride;
+  int slots;
+  int64_t window;  // origin tokens per window; 0 = does not fit
+};
+CombineGeometry combine_geometry(size_t data_bytes, size_t row_bytes, int slots, size_t weight_bytes);
+size_t combine_min_data_bytes(size_t row_bytes, int slots, size_t weight_bytes);
+
+}  // namespace epcomm::engine

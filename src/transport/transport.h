@@ -1,0 +1,42 @@
+// transport/transport.h — the internal interface every transport implements (shm today, UCX later).
+// A Transport gives this rank load/store access to every peer's registered segment, and a doorbell to sleep on.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace epcomm {
+
+class Bootstrap;
+
+// Owned by one Buffer; used by its communication thread only (not thread-safe).
+class Transport {
+ public:
+  using Clock = std::chrono::steady_clock;
+  virtual ~Transport() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Bytes usable by the engine in every rank's segment (equal on all ranks).
+  virtual size_t segment_bytes() const = 0;
+  // The segment of `rank` (own included), readable and writable with plain loads/stores and atomics.
+  virtual uint8_t* segment(int rank) const = 0;
+
+  // This rank's doorbell: bumped by every notify() aimed at it. Take a snapshot *before* checking the
+  // conditions you wait for, then wait_doorbell(snapshot): no wake-up can be lost.
+  virtual uint32_t doorbell() const = 0;
+  // Spins briefly, then sleeps until the doorbell differs from `seen` or `until` passes.
+  // Returns true when it changed. Never throws.
+  virtual bool wait_doorbell(uint32_t seen, Clock::time_point until) const = 0;
+  // Rings `rank`'s doorbell after this rank published something it may wait for (release ordering).
+  virtual void notify(int rank) const = 0;
+};
+
+// Shared memory between the ranks of one host (transport/shm/). Collective over `bootstrap`.
+// Every name is unlinked before this returns, so nothing is left in /dev/shm even after kill -9.
+std::unique_ptr<Transport> make_shm_transport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance);
+
+}  // namespace epcomm
