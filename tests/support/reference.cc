@@ -219,8 +219,11 @@ RefLayout ref_layout(const Problem& problem, int rank, int ranks_per_node) {
 // §4 dispatch
 // ---------------------------------------------------------------------------------------------------------
 
-RefDispatch ref_dispatch(const Problem& problem, int d, ReceiveOrder order, int64_t expert_alignment,
-                         int64_t num_worst_tokens) {
+namespace {
+
+// Both public entry points: with_payload = false leaves recv_x, recv_topk_idx and recv_topk_weights empty.
+RefDispatch build_dispatch(const Problem& problem, int d, ReceiveOrder order, int64_t expert_alignment,
+                           int64_t num_worst_tokens, bool with_payload) {
   validate_problem(problem);
   const int R = problem.spec.num_ranks, K = problem.spec.num_topk, L = problem.num_local_experts();
   require(d >= 0 && d < R, "receiving rank out of range");
@@ -257,10 +260,16 @@ RefDispatch ref_dispatch(const Problem& problem, int d, ReceiveOrder order, int6
   out.num_rows = static_cast<int64_t>(rows.size());
 
   const size_t row_bytes = problem.row_bytes();
-  out.recv_x.assign(idx(out.num_rows) * row_bytes, 0);
   out.src_rank.assign(idx(out.num_rows), -1);
   out.src_token.assign(idx(out.num_rows), -1);
   out.src_slot.assign(idx(out.num_rows), -1);
+  for (int64_t i = 0; i < out.num_rows; ++i) {
+    out.src_rank[idx(i)] = rows[idx(i)].s;  // PAD / tail: (-1, -1, -1)
+    out.src_token[idx(i)] = rows[idx(i)].t;
+    out.src_slot[idx(i)] = rows[idx(i)].k;
+  }
+  if (!with_payload) return out;
+  out.recv_x.assign(idx(out.num_rows) * row_bytes, 0);
   const bool topk = problem.spec.topk;
   if (topk) {
     out.recv_topk_idx.assign(idx(out.num_rows * K), -1);
@@ -270,9 +279,6 @@ RefDispatch ref_dispatch(const Problem& problem, int d, ReceiveOrder order, int6
     const Row row = rows[idx(i)];
     if (row.s < 0) continue;  // PAD / tail: zero payload, ids -1, weights +0, source -1
     const RankInputs& in = problem.ranks[idx(row.s)];
-    out.src_rank[idx(i)] = row.s;
-    out.src_token[idx(i)] = row.t;
-    out.src_slot[idx(i)] = row.k;
     std::memcpy(out.recv_x.data() + idx(i) * row_bytes, in.x.data() + idx(row.t) * row_bytes, row_bytes);
     if (!topk) continue;
     for (int kk = 0; kk < K; ++kk) {
@@ -288,6 +294,18 @@ RefDispatch ref_dispatch(const Problem& problem, int d, ReceiveOrder order, int6
     }
   }
   return out;
+}
+
+}  // namespace
+
+RefDispatch ref_dispatch(const Problem& problem, int d, ReceiveOrder order, int64_t expert_alignment,
+                         int64_t num_worst_tokens) {
+  return build_dispatch(problem, d, order, expert_alignment, num_worst_tokens, true);
+}
+
+RefDispatch ref_dispatch_placement(const Problem& problem, int d, ReceiveOrder order,
+                                   int64_t expert_alignment, int64_t num_worst_tokens) {
+  return build_dispatch(problem, d, order, expert_alignment, num_worst_tokens, false);
 }
 
 std::vector<uint8_t> ref_place_rows(const Problem& problem, const RefDispatch& placement,
@@ -310,7 +328,7 @@ std::vector<uint8_t> ref_place_rows(const Problem& problem, const RefDispatch& p
 std::vector<uint8_t> ref_cached_dispatch(const Problem& problem, int d, ReceiveOrder order,
                                          int64_t expert_alignment, int64_t num_worst_tokens,
                                          const std::vector<std::vector<uint8_t>>& new_x, size_t row_bytes) {
-  const RefDispatch placement = ref_dispatch(problem, d, order, expert_alignment, num_worst_tokens);
+  const RefDispatch placement = ref_dispatch_placement(problem, d, order, expert_alignment, num_worst_tokens);
   return ref_place_rows(problem, placement, new_x, row_bytes);
 }
 
@@ -348,7 +366,7 @@ RefCombine ref_combine(const Problem& problem, int r, ReceiveOrder order, int64_
   std::vector<RefDispatch> placement;
   std::vector<std::vector<int64_t>> row_of(idx(R));
   for (int d = 0; d < R; ++d) {
-    placement.push_back(ref_dispatch(problem, d, order, expert_alignment, 0));
+    placement.push_back(ref_dispatch_placement(problem, d, order, expert_alignment, 0));
     const RefDispatch& at = placement.back();
     const bool expert_major = order == ReceiveOrder::expert_major;
     row_of[idx(d)].assign(idx(expert_major ? T * K : T), -1);

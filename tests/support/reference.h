@@ -68,6 +68,11 @@ struct RefDispatch {
 RefDispatch ref_dispatch(const Problem& problem, int d, ReceiveOrder order, int64_t expert_alignment = 1,
                          int64_t num_worst_tokens = 0);
 
+// The same without payload: recv_x, recv_topk_idx and recv_topk_weights stay empty (cheap for large H;
+// enough for counts, lists and the handle's source arrays).
+RefDispatch ref_dispatch_placement(const Problem& problem, int d, ReceiveOrder order,
+                                   int64_t expert_alignment = 1, int64_t num_worst_tokens = 0);
+
 // §4.7: places per-rank rows (new_x[s] = [T_s * row_bytes] bytes, any format: a new x, quantized data, or a
 // per-row scale block) at the rows of `placement`: row i gets new_x[src_rank[i]] row src_token[i]; PAD and
 // tail rows are zero. Throws if `placement.overflow`.
