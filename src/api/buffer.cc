@@ -81,9 +81,9 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   EPCOMM_CHECK(b.num_nodes == 1, pre, "argument: the ranks span ", b.num_nodes,
                " nodes; internode dispatch (UCX) is not supported yet: run all ranks on one host with "
                "ranks_per_node = 0 or = the number of ranks");
-  const int64_t minimum = static_cast<int64_t>(engine::control_bytes(R)) + 4096;
+  const int64_t minimum = static_cast<int64_t>(engine::control_bytes(R)) + 4 * static_cast<int64_t>(engine::kAlign);
   EPCOMM_CHECK(b.nvl_bytes >= minimum, pre, "capacity: num_nvl_bytes = ", b.nvl_bytes,
-               " is below the control part of the segment plus one page (", minimum, " bytes for ", R, " ranks)");
+               " is below the control part of the segment plus 256 bytes (", minimum, " bytes for ", R, " ranks)");
 
   b.transport = make_shm_transport(group->bootstrap(), static_cast<size_t>(b.nvl_bytes), group->next_instance());
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);

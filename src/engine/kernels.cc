@@ -29,7 +29,7 @@ struct F16 {
 struct F32 {
   using T = float;
   static float load(T v) { return v; }
-  static T store(float f) { return f; }
+  static T store(float f) { return f != f ? bits_to_f32(0x7FC00000u) : f; }  // canonical NaN (quant.md §1)
 };
 
 constexpr int64_t kBlock = 256;  // fp32 partial sums of one block stay in registers / L1

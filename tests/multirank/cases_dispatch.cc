@@ -1,0 +1,194 @@
+// multirank/cases_dispatch.cc — dispatch/combine results against the reference: random and skewed routing,
+// both orders, alignment, worst case, zero-token ranks, rounds, cached re-dispatch, invariance.
+#include <cstring>
+
+#include "multirank/round_trip.h"
+#include "support/check.h"
+
+using namespace epcomm;
+using namespace epcomm::testing;
+
+namespace {
+
+ProblemSpec spec_for(const RankCtx& ctx, uint64_t seed, int experts_per_rank, int topk, int64_t hidden,
+                     DType dt = DType::bf16) {
+  ProblemSpec s;
+  s.num_ranks = ctx.size;
+  s.num_experts = ctx.size * experts_per_rank;
+  s.num_topk = topk;
+  s.hidden = hidden;
+  s.dtype = dt;
+  s.seed = seed;
+  s.min_tokens = 0;
+  s.max_tokens = 40;
+  return s;
+}
+
+const ReceiveOrder kOrders[] = {ReceiveOrder::expert_major, ReceiveOrder::rank_major};
+
+}  // namespace
+
+MR_CASE("dispatch_random", {}) {
+  Buffer buf(ctx.group, test_options());
+  uint64_t seed = 1;
+  for (ReceiveOrder order : kOrders) {
+    for (int64_t align : {1, 128}) {
+      RoundTrip rt;
+      rt.spec = spec_for(ctx, seed++, 3, 4, 96);
+      rt.order = order;
+      rt.expert_alignment = align;
+      run_round_trip(ctx, buf, rt);
+    }
+    RoundTrip big;  // the production hidden size, f16 combine of another width
+    big.spec = spec_for(ctx, seed++, 4, 8, 7168);
+    big.spec.max_tokens = 12;
+    big.order = order;
+    big.combine_dtype = DType::f16;
+    big.combine_hidden = 136;
+    run_round_trip(ctx, buf, big);
+    for (DType dt : {DType::f16, DType::f32}) {  // other payload dtypes; f32 combine
+      RoundTrip rt;
+      rt.spec = spec_for(ctx, seed++, 2, 3, 40, dt);
+      rt.order = order;
+      rt.combine_dtype = DType::f32;
+      run_round_trip(ctx, buf, rt);
+    }
+    RoundTrip bits;  // random bit patterns: NaN, -0 and subnormals arrive byte for byte
+    bits.spec = spec_for(ctx, seed++, 2, 2, 33);
+    bits.spec.random_bits = true;
+    bits.order = order;
+    bits.pass_layout = false;
+    run_round_trip(ctx, buf, bits);
+  }
+}
+
+MR_CASE("dispatch_skewed_rounds", {}) {
+  // Every token to one rank, through a segment of the minimum size: many rounds, same results.
+  for (ReceiveOrder order : kOrders) {
+    RoundTrip rt;
+    rt.spec = spec_for(ctx, 77, 2, 4, 96);
+    rt.spec.routing = ProblemSpec::Routing::skewed_one_rank;
+    rt.spec.skew_rank = ctx.size - 1;
+    rt.spec.min_tokens = 20;
+    rt.spec.max_tokens = 60;
+    rt.order = order;
+    const int64_t row = 96 * 2 + 8;  // generous: combine rows of f32 + 8 columns are larger
+    int64_t minimum = std::max(min_nvl_bytes(row * 2, 4, ctx.size), min_nvl_bytes((96 + 8) * 4, 4, ctx.size));
+    Buffer buf(ctx.group, test_options(minimum));
+    run_round_trip(ctx, buf, rt);
+  }
+}
+
+MR_CASE("dispatch_large_transfer", {}) {
+  // The data moved is at least 10x the segment: it must move in rounds, never fail.
+  const int64_t H = 7168;
+  const int64_t nvl = min_nvl_bytes((H + 8) * 4, 8, ctx.size);
+  Buffer buf(ctx.group, test_options(nvl));
+  for (ReceiveOrder order : kOrders) {
+    RoundTrip rt;
+    rt.spec = spec_for(ctx, 5, 4, 8, H);
+    rt.spec.min_tokens = rt.spec.max_tokens = 256;
+    rt.spec.neg_prob = 0.0;
+    rt.order = order;
+    Problem P = make_problem(rt.spec);
+    int64_t rows = 0;
+    for (int d = 0; d < ctx.size; ++d) rows += ref_dispatch_placement(P, d, order).num_recv_rows;
+    REQUIRE(rows * H * 2 >= 10 * nvl, "transfer of ", rows * H * 2, " bytes is not 10x the segment ", nvl);
+    run_round_trip(ctx, buf, rt);
+  }
+}
+
+MR_CASE("dispatch_zero_tokens", {}) {
+  Buffer buf(ctx.group, test_options());
+  for (ReceiveOrder order : kOrders) {
+    RoundTrip some;  // every other rank holds no token
+    some.spec = spec_for(ctx, 11, 2, 3, 64);
+    some.spec.tokens_override.resize(ctx.size);
+    for (int s = 0; s < ctx.size; ++s) some.spec.tokens_override[s] = s % 2 ? 0 : 17 + s;
+    some.order = order;
+    run_round_trip(ctx, buf, some);
+    RoundTrip none;  // nobody holds a token: 0-row outputs everywhere
+    none.spec = spec_for(ctx, 12, 2, 3, 64);
+    none.spec.tokens_override.assign(ctx.size, 0);
+    none.order = order;
+    none.expert_alignment = 4;
+    run_round_trip(ctx, buf, none);
+    RoundTrip empty;  // all slots -1: combine gives the bias alone
+    empty.spec = spec_for(ctx, 13, 2, 3, 64);
+    empty.spec.routing = ProblemSpec::Routing::all_empty;
+    empty.order = order;
+    run_round_trip(ctx, buf, empty);
+  }
+}
+
+MR_CASE("dispatch_no_topk", {}) {
+  Buffer buf(ctx.group, test_options());
+  RoundTrip rt;
+  rt.spec = spec_for(ctx, 21, 2, 3, 48);
+  rt.spec.topk = false;
+  rt.order = ReceiveOrder::rank_major;
+  rt.expert_alignment = 8;
+  run_round_trip(ctx, buf, rt);
+}
+
+MR_CASE("dispatch_worst_case", {}) {
+  Buffer buf(ctx.group, test_options());
+  for (ReceiveOrder order : kOrders) {
+    RoundTrip rt;
+    rt.spec = spec_for(ctx, 31, 2, 4, 40);
+    rt.spec.min_tokens = 4;
+    rt.order = order;
+    rt.expert_alignment = order == ReceiveOrder::expert_major ? 4 : 1;
+    rt.num_worst_tokens = -5;  // the largest N plus 5: a zeroed tail everywhere
+    run_round_trip(ctx, buf, rt);
+
+    // Overflow: rank 0 allows one row only; every rank raises, naming rank 0, and the Buffer stays usable.
+    Problem P = make_problem(rt.spec);
+    int64_t n0 = ref_dispatch_placement(P, 0, order, rt.expert_alignment).num_recv_rows;
+    if (n0 > 1) {
+      Tensor ti = topk_idx_of(P, ctx.rank);
+      LayoutResult lay = buf.get_dispatch_layout(ti, rt.spec.num_experts);
+      DispatchArgs a;
+      a.x.data = x_of(P, ctx.rank);
+      a.topk_idx = ti;
+      a.topk_weights = topk_weights_of(P, ctx.rank);
+      a.num_tokens_per_expert = lay.num_tokens_per_expert;
+      a.receive_order = order;
+      a.expert_alignment = rt.expert_alignment;
+      a.num_worst_tokens = ctx.rank == 0 ? 1 : 100000;
+      expect_error([&] { buf.dispatch(a); }, ErrorCode::InvalidUsage,
+                   {"capacity", "receiving rank 0", "num_worst_tokens = 1"});
+    }
+    rt.num_worst_tokens = 0;
+    run_round_trip(ctx, buf, rt);  // still usable
+  }
+}
+
+MR_CASE("dispatch_async_invariance", {}) {
+  // Async calls with chained events, other segment sizes and thread counts: identical results.
+  for (int64_t nvl : {int64_t{0}, int64_t{1} << 20}) {
+    BufferOptions o = test_options(nvl);
+    Buffer buf(ctx.group, o);
+    for (ReceiveOrder order : kOrders) {
+      RoundTrip rt;
+      rt.spec = spec_for(ctx, 41, 3, 5, 200);
+      rt.order = order;
+      rt.async = true;
+      rt.expert_alignment = 16;
+      run_round_trip(ctx, buf, rt);
+    }
+  }
+}
+
+MR_CASE("dispatch_pressure_repeat", {}) {
+  // 20 repetitions on one seed, two Buffers interleaved: every result equals the reference each time.
+  Buffer a(ctx.group, test_options(2 << 20));
+  Buffer b(ctx.group, test_options(1 << 20));
+  for (int i = 0; i < 20; ++i) {
+    RoundTrip rt;
+    rt.spec = spec_for(ctx, 51, 2, 4, 64);
+    rt.order = i % 2 ? ReceiveOrder::rank_major : ReceiveOrder::expert_major;
+    rt.cached = i % 3 == 0;
+    run_round_trip(ctx, i % 2 ? a : b, rt);
+  }
+}
