@@ -29,9 +29,9 @@ int64_t data_bytes_for(int64_t row_bytes, int num_topk, int num_ranks, int64_t t
   using namespace engine;
   size_t meta = std::max<size_t>(static_cast<size_t>(num_topk) * 8, static_cast<size_t>(num_ranks));
   size_t d = dispatch_min_data_bytes(row_bytes, meta);
-  size_t per_token_d = d / 2 - kAlign;  // one staged token per half
+  size_t per_token_d = d / 2;  // one staged token per half
   size_t c = combine_min_data_bytes(row_bytes, std::max(num_topk, num_ranks), static_cast<size_t>(num_topk) * 4);
-  return static_cast<int64_t>(std::max(2 * per_token_d * tokens + 2 * kAlign, c * tokens));
+  return static_cast<int64_t>(std::max(2 * per_token_d * tokens, c * tokens));
 }
 }  // namespace
 

@@ -45,7 +45,7 @@ DispatchGeometry dispatch_geometry(size_t data_bytes, size_t row_bytes, size_t m
 }
 
 size_t dispatch_min_data_bytes(size_t row_bytes, size_t meta_bytes) {
-  return 2 * (align64(std::max<size_t>(row_bytes, 1)) + align64(std::max<size_t>(meta_bytes, 1))) + 2 * kAlign;
+  return 2 * (align64(std::max<size_t>(row_bytes, 1)) + align64(std::max<size_t>(meta_bytes, 1)));
 }
 
 CombineGeometry combine_geometry(size_t data_bytes, size_t row_bytes, int slots, size_t weight_bytes) {
