@@ -69,6 +69,13 @@ const Handle::Impl& own_handle(const Buffer::Impl& b, const std::shared_ptr<cons
   const Handle::Impl& hd = h->impl();
   EPCOMM_CHECK(hd.buffer_key == &b && !hd.buffer_alive.expired(),
                "argument: handle: it belongs to another Buffer or to a destroyed one");
+  if (hd.wait_shapes) {  // the handle of an asynchronous dispatch: its counts must be known
+    try {
+      hd.wait_shapes();
+    } catch (const std::exception& e) {
+      EPCOMM_THROW(InvalidUsage, "argument: handle: the dispatch that produced it failed: ", e.what());
+    }
+  }
   return hd;
 }
 

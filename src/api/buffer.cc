@@ -208,7 +208,9 @@ static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, e
       });
       st->complete(nullptr);
     } catch (const Error& e) {
-      if (moving || e.code() == ErrorCode::Timeout) {
+      // Fatal: data was moving, a deadline passed, or a peer's Buffer failed. Errors found before any data
+      // moved (validation, mismatch, capacity, a peer's failed header) leave the Buffer usable.
+      if (moving || e.code() == ErrorCode::Timeout || ctx.saw_peer_failure()) {
         b.mark_failed(e.what());
         ctx.publish_failure(e.what());
       }
@@ -311,7 +313,11 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     in->poison = env::poison_outputs();
     in->buffer_key = &b;
     in->buffer_alive = b.alive;
-    if (!cached) out->handle = std::make_shared<Handle::Impl>();
+    if (!cached) {
+      out->handle = std::make_shared<Handle::Impl>();
+      out->handle->buffer_key = &b;
+      out->handle->buffer_alive = b.alive;
+    }
     if (early) allocate_dispatch_outputs(b, *in, *out);
   }
   auto st = launch(b, s, cached ? engine::OpKind::cached_dispatch : engine::OpKind::dispatch, a.previous_event,
@@ -323,6 +329,10 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     st->wait();
     throw *verr;
   }
+  if (!cached)
+    out->handle->wait_shapes = [st] {
+      if (auto e = st->wait_shapes()) std::rethrow_exception(e);
+    };
   if (!a.async_finish) {
     if (auto e = st->wait()) std::rethrow_exception(e);
   } else if (!early) {

@@ -143,7 +143,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
           progressed = true;
         }
         bool all = true;
-        for (int s = 0; s < R; ++s) {
+        for (int s : ctx.arrival_order()) {
           while (filled[s] < nwin[s] &&
                  ctx.control(s)->combine_open.load(std::memory_order_acquire) >= pack(seq, filled[s] + 1)) {
             fill(s, filled[s]);
@@ -166,10 +166,10 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
       [&] {
         std::vector<int> peers;
         for (int s = 0; s < R; ++s)
-          if (filled[s] < nwin[s]) peers.push_back(s);
+          if (filled[s] < nwin[s] && s != me) peers.push_back(s);
         if (open)
           for (int p = 0; p < R; ++p)
-            if (hd.tokens_per_rank[p] > 0 && ctx.cell(me, p)->done.load() < pack(seq, reduced + 1) &&
+            if (hd.tokens_per_rank[p] > 0 && p != me && ctx.cell(me, p)->done.load() < pack(seq, reduced + 1) &&
                 std::find(peers.begin(), peers.end(), p) == peers.end())
               peers.push_back(p);
         return peers;

@@ -116,6 +116,46 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
   const bool has_topk = in.cached ? hd->has_topk : in.num_topk > 0;
   const auto t_start = Clock::now();
 
+  // Window geometry and staging are local: the first two windows are staged while the headers travel
+  // (our data area is free: every op ends only once the peers are done with it).
+  const size_t row_bytes = in.format.data_row_bytes + in.format.scale_row_bytes;
+  const size_t meta = meta_bytes_of(K, R, in.cached);
+  const DispatchGeometry geo = dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta);
+  const int64_t W = geo.window;
+  const int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
+  uint8_t* my_area = ctx.data(me);
+  const RowFormat& f = in.format;
+  auto stage = [&](int64_t w) {
+    uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
+    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* dst = half + (t - t0) * geo.row_stride;
+      const uint8_t* x = in.x + t * in.x_row_bytes;
+      if (f.quantize) {
+        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
+      } else {
+        copy_row(dst, x, f.data_row_bytes);
+        if (in.scales) gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
+                                     f.scale_cols, dtype_size(f.scale_dtype));
+      }
+      if (meta) {
+        uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
+        if (K > 0) {
+          std::memcpy(m, &in.ids[t * K], sizeof(int32_t) * K);
+          std::memcpy(m + 4 * K, &in.weights[t * K], sizeof(float) * K);
+        } else {
+          std::memcpy(m, &in.in_rank[t * R], R);
+        }
+      }
+    }
+  };
+
+  int64_t staged = 0;
+  auto publish_staged = [&] {
+    ++staged;
+    ctx.control(me)->stage_ready.store(pack(ctx.seq(), staged), std::memory_order_seq_cst);
+  };
+
   // 1. Header (and counts, for a fresh dispatch).
   HeaderData& h = ctx.begin_header(in.cached ? OpKind::cached_dispatch : OpKind::dispatch);
   h.order = static_cast<uint32_t>(in.order);
@@ -138,6 +178,10 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
     std::copy(in.tokens_per_rank.begin(), in.tokens_per_rank.end(), c + in.num_experts);
   }
   ctx.publish_header();
+  while (staged < std::min<int64_t>(my_nwin, 2)) {
+    stage(staged);
+    publish_staged();
+  }
   ctx.exchange_headers();
   check_headers_match(ctx);
 
@@ -167,10 +211,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
                  plan.num_recv_rows, " rows, more than 2^31 - 1");
   }
 
-  // 3. Window geometry; only a segment that cannot hold one staged token is an error.
-  const size_t row_bytes = in.format.data_row_bytes + in.format.scale_row_bytes;
-  const size_t meta = meta_bytes_of(K, R, in.cached);
-  const DispatchGeometry geo = dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta);
+  // 3. Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
                  " cannot hold one staged token of ", row_bytes, " bytes (+", meta,
@@ -180,7 +221,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
   // 4. Outputs.
   const int64_t N = in.cached ? hd->num_recv_rows : plan.num_recv_rows;
   const int64_t rows = in.cached ? hd->num_rows : (in.num_worst_tokens > 0 ? in.num_worst_tokens : N);
-  const RowFormat& f = in.format;
   Outputs o;
   // Outputs whose shape is known locally (cached and worst-case dispatch) were allocated by the caller.
   if (!out.recv_x.data.defined()) {
@@ -231,20 +271,40 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
     for (int64_t r = 0; r < rows; ++r)
       if (src[r] < 0) o.fill_empty(r, r + 1);
   }
+  if (!in.cached) {
+    // The handle's shape fields are final before on_shapes(); the row lists fill in during the data phase.
+    nh->seq = ctx.seq();
+    nh->order = in.order;
+    nh->num_ranks = R;
+    nh->num_experts = in.num_experts;
+    nh->num_topk = K;
+    nh->num_local = L;
+    nh->num_tokens = in.num_tokens;
+    nh->num_recv_rows = N;
+    nh->num_rows = rows;
+    nh->expert_alignment = in.expert_alignment;
+    nh->num_worst_tokens = in.num_worst_tokens;
+    nh->hidden = in.hidden;
+    nh->has_topk = has_topk;
+    nh->topk_ids = in.ids;
+    nh->topk_weights = in.weights;
+    nh->in_rank = in.in_rank;
+    nh->tokens_per_rank = in.tokens_per_rank;
+    nh->list = plan.list;
+    nh->cnt = plan.cnt;
+    nh->rows_per_source = plan.rows_per_source;
+  }
   on_shapes();
 
   // 5. Rounds: stage own windows, pull every source's windows.
   const std::vector<int64_t>& rows_from = in.cached ? hd->rows_per_source : plan.rows_per_source;
   const std::vector<int32_t>& my_dest_tokens = in.cached ? hd->tokens_per_rank : in.tokens_per_rank;
-  const int64_t W = geo.window;
-  const int64_t my_nwin = num_windows(in.num_tokens, W);
   std::vector<int64_t> nwin(R), pulled(R, 0), done_us(R, -1);
   for (int s = 0; s < R; ++s) {
     nwin[s] = rows_from[s] > 0 ? num_windows(tokens_of[s], W) : 0;
     if (nwin[s] == 0)
       done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(t_headers - t_start).count();
   }
-  uint8_t* my_area = ctx.data(me);
   const uint64_t seq = ctx.seq();
 
   // Receive cursors (fresh): next row of (s, j) in expert_major or of s in rank_major.
@@ -259,31 +319,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
   std::vector<int64_t> cached_pos(R);
   if (in.cached)
     for (int s = 0; s < R; ++s) cached_pos[s] = hd->source_offsets[s];
-
-  auto stage = [&](int64_t w) {
-    uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
-    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
-    for (int64_t t = t0; t < t1; ++t) {
-      uint8_t* dst = half + (t - t0) * geo.row_stride;
-      const uint8_t* x = in.x + t * in.x_row_bytes;
-      if (f.quantize) {
-        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
-      } else {
-        copy_row(dst, x, f.data_row_bytes);
-        if (in.scales) gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
-                                     f.scale_cols, dtype_size(f.scale_dtype));
-      }
-      if (meta) {
-        uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
-        if (K > 0) {
-          std::memcpy(m, &in.ids[t * K], sizeof(int32_t) * K);
-          std::memcpy(m + 4 * K, &in.weights[t * K], sizeof(float) * K);
-        } else {
-          std::memcpy(m, &in.in_rank[t * R], R);
-        }
-      }
-    }
-  };
 
   auto pull = [&](int s, int64_t w) {
     const uint8_t* half = ctx.data(s) + static_cast<size_t>(w % 2) * geo.half_bytes;
@@ -356,7 +391,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
     }
   };
 
-  int64_t staged = 0;
   auto can_stage = [&](int64_t w) {
     if (w < 2) return true;
     for (int p = 0; p < R; ++p)
@@ -368,14 +402,15 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
       [&](bool& progressed) {
         while (staged < my_nwin && can_stage(staged)) {
           stage(staged);
-          ++staged;
-          ctx.control(me)->stage_ready.store(pack(seq, staged), std::memory_order_seq_cst);
+          publish_staged();
           for (int p = 0; p < R; ++p)
             if (my_dest_tokens[p] > 0 && p != me) ctx.transport().notify(p);
           progressed = true;
         }
-        bool all = staged == my_nwin;
-        for (int s = 0; s < R; ++s) {
+        // Done once every window is staged and acknowledged (so that the next call may reuse the area)
+        // and every source's windows are pulled.
+        bool all = staged == my_nwin && can_stage(my_nwin + 1);
+        for (int s : ctx.arrival_order()) {
           while (pulled[s] < nwin[s] &&
                  ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {
             pull(s, pulled[s]);
@@ -390,41 +425,18 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
         return all;
       },
       [&] {
-        std::vector<int> peers;
+        std::vector<int> peers;  // sources not yet staged, and receivers whose acks block our staging
         for (int s = 0; s < R; ++s)
-          if (pulled[s] < nwin[s]) peers.push_back(s);
-        if (staged < my_nwin)
+          if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
+        if (!(staged == my_nwin && can_stage(my_nwin + 1)))
           for (int p = 0; p < R; ++p)
-            if (my_dest_tokens[p] > 0 && std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
+            if (my_dest_tokens[p] > 0 && p != me && std::find(peers.begin(), peers.end(), p) == peers.end())
+              peers.push_back(p);
         return peers;
       });
 
   if (in.cost_stats) add_cost_stats(*in.cost_stats, done_us);
-  if (in.cached) return;
 
-  // 6. The handle (allocated by the caller, filled here).
-  nh->buffer_key = in.buffer_key;
-  nh->buffer_alive = in.buffer_alive;
-  nh->seq = seq;
-  nh->order = in.order;
-  nh->num_ranks = R;
-  nh->num_experts = in.num_experts;
-  nh->num_topk = K;
-  nh->num_local = L;
-  nh->num_tokens = in.num_tokens;
-  nh->num_recv_rows = N;
-  nh->num_rows = rows;
-  nh->expert_alignment = in.expert_alignment;
-  nh->num_worst_tokens = in.num_worst_tokens;
-  nh->hidden = in.hidden;
-  nh->has_topk = has_topk;
-  nh->topk_ids = in.ids;
-  nh->topk_weights = in.weights;
-  nh->in_rank = in.in_rank;
-  nh->tokens_per_rank = in.tokens_per_rank;
-  nh->list = plan.list;
-  nh->cnt = plan.cnt;
-  nh->rows_per_source = plan.rows_per_source;
 }
 
 }  // namespace epcomm::engine

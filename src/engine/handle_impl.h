@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -13,6 +14,9 @@ namespace epcomm {
 struct Handle::Impl {
   const void* buffer_key = nullptr;  // identity of the Buffer that made it
   std::weak_ptr<void> buffer_alive;  // expires when that Buffer is destroyed
+  // Blocks until the fields above `recv_src_rank` are final (the dispatch's counts are exchanged); throws
+  // when that dispatch failed. Set by the API; lets a caller use the handle of an asynchronous dispatch.
+  std::function<void()> wait_shapes;
   uint64_t seq = 0;                  // the dispatch's group-wide sequence number
   ReceiveOrder order = ReceiveOrder::expert_major;
   int num_ranks = 1, num_experts = 0, num_topk = 0, num_local = 0;

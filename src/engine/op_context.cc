@@ -68,6 +68,7 @@ uint64_t OpContext::last_seq_seen(int r) const {
 void OpContext::exchange_headers() {
   std::vector<uint8_t> arrived(size_, 0);
   arrived[rank_] = 1;
+  arrival_order_.assign(1, rank_);
   int missing = size_ - 1;
   run(
       "header exchange",
@@ -76,6 +77,7 @@ void OpContext::exchange_headers() {
           if (arrived[r]) continue;
           if (header(r)->seq.load(std::memory_order_acquire) == seq_) {
             arrived[r] = 1;
+            arrival_order_.push_back(r);
             --missing;
             progressed = true;
           }
@@ -102,19 +104,20 @@ void OpContext::check_peers_alive() const {
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const Control* c = control(r);
-    if (c->failed.load(std::memory_order_acquire) != 0)
+    if (c->failed.load(std::memory_order_acquire) != 0) {
+      saw_peer_failure_ = true;
       EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r, " failed: ",
                    std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
+    }
   }
 }
 
 void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) const {
   std::ostringstream os;
-  os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for rank";
-  if (peers.size() != 1) os << 's';
+  os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i)
-    os << (i ? ", " : " ") << peers[i] << " (last call seen: #" << last_seq_seen(peers[i]) << ")";
-  if (peers.empty()) os << "s (none recorded)";
+    os << (i ? ", " : "") << "rank " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i]) << ")";
+  if (peers.empty()) os << "(no peer recorded)";
   throw Error(ErrorCode::Timeout, os.str());
 }
 

@@ -69,8 +69,13 @@ class OpContext {
     }
   }
 
-  // Throws Aborted when a peer has published a failure.
+  // Ranks in the order their headers arrived (this rank first): data is served first come, first served,
+  // so a late peer's data lands last and shows in its own cost-statistics element.
+  const std::vector<int>& arrival_order() const { return arrival_order_; }
+
+  // Throws Aborted when a peer has published a failure (its Buffer failed: ours cannot go on either).
   void check_peers_alive() const;
+  bool saw_peer_failure() const { return saw_peer_failure_; }
   [[noreturn]] void raise_timeout(const char* phase, const std::vector<int>& peers) const;
   // Tells peers this rank will not continue (they raise Aborted quoting `message`).
   void publish_failure(const std::string& message) const;
@@ -88,6 +93,8 @@ class OpContext {
   OpKind op_;
   Clock::duration timeout_;
   double timeout_s_;
+  std::vector<int> arrival_order_;
+  mutable bool saw_peer_failure_ = false;
 };
 
 }  // namespace epcomm::engine

@@ -19,11 +19,12 @@ struct RankCtx {
   std::string launcher;  // "thread" or "fork"
 };
 
+// Options in order, so that a case can say {fork_only, min_ranks, killed_rank}.
 struct CaseInfo {
-  std::function<void(RankCtx&)> body;
   bool fork_only = false;
   int min_ranks = 1;
   int killed_rank = -1;  // this rank is expected to die by SIGKILL (fork only)
+  std::function<void(RankCtx&)> body;
 };
 
 std::map<std::string, CaseInfo>& cases();
