@@ -33,7 +33,7 @@ const char* kDemoEpilog =
     "Exit status: 0 PASS, 1 FAIL or a runtime error, 2 a bad flag or an argument the library rejected.\n";
 
 // Per-rank numbers gathered at every rank: fixed-size records so that all_gather can carry them.
-enum Count : int { kRecvRows, kRecvBytes, kSentBytes, kNumCounts };
+enum Count : int { kRecvRows, kRecvBytes, kSentBytes, kSegmentBytes, kNumCounts };
 
 struct RankOutput {
   std::vector<double> times;        // dispatch [iters], combine [iters], experts
@@ -150,6 +150,7 @@ RankOutput run_layer(const DemoOptions& o, const std::shared_ptr<Group>& group, 
   out.counts[kRecvRows] = n;
   out.counts[kRecvBytes] = n * o.run.dispatch_row_bytes();
   out.counts[kSentBytes] = static_cast<int64_t>(ca.x.nbytes());
+  out.counts[kSegmentBytes] = buffer.num_nvl_bytes();
   auto pairs = first.handle->num_recv_pairs_per_expert();
   pairs.resize(static_cast<size_t>(L), 0);
   out.counts.insert(out.counts.end(), pairs.begin(), pairs.end());
