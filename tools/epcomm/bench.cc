@@ -189,12 +189,12 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<do
         .add("row_bytes",
              op == 0 ? ro.dispatch_row_bytes() : ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype)))
         .add("bytes", bytes)
-        .add("time_us_median", med)
-        .add("time_us_min", *std::min_element(us.begin(), us.end()))
-        .add("time_us_p99", percentile(us, 0.99))
-        .add("time_us_max", *std::max_element(us.begin(), us.end()))
-        .add("gbps", med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0)
-        .add("memcpy_gbps", memcpy_gbps)
+        .add("time_us_median", med, 1)
+        .add("time_us_min", *std::min_element(us.begin(), us.end()), 1)
+        .add("time_us_p99", percentile(us, 0.99), 1)
+        .add("time_us_max", *std::max_element(us.begin(), us.end()), 1)
+        .add("gbps", med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0, 3)
+        .add("memcpy_gbps", memcpy_gbps, 3)
         .add("verified", verified)
         .add("segment_bytes", segment_bytes);
     std::printf("%s\n", j.str().c_str());

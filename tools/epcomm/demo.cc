@@ -189,7 +189,10 @@ int report(const DemoOptions& o, const std::vector<double>& times, const std::ve
     for (int e = e0; e < e1; ++e) v += counts[(e / L) * per_rank_counts + kNumCounts + e % L];
     std::string label = group_size == 1 ? "expert " + std::to_string(e0)
                                         : "experts " + std::to_string(e0) + "-" + std::to_string(e1 - 1);
-    per_expert.emplace_back(label + " (rank " + std::to_string(e0 / L) + ")", v);
+    const int r0 = e0 / L, r1 = (e1 - 1) / L;
+    label += r0 == r1 ? " (rank " + std::to_string(r0) + ")"
+                      : " (ranks " + std::to_string(r0) + "-" + std::to_string(r1) + ")";
+    per_expert.emplace_back(label, v);
   }
 
   const double td = median(max_over_ranks(dispatch_t, R, iters));
@@ -211,9 +214,8 @@ int report(const DemoOptions& o, const std::vector<double>& times, const std::ve
               o.order == ReceiveOrder::expert_major
                   ? "one row per (token, expert); combine applies the top-k weights"
                   : "one row per (token, rank); ranks weight and sum their experts, combine sums ranks");
-  std::printf(
-      "  segment      %s per rank\n\n",
-      o.run.num_nvl_bytes ? format_bytes(static_cast<double>(o.run.num_nvl_bytes)).c_str() : "64.00 MiB");
+  std::printf("  segment      %s of shared memory per rank\n\n",
+              format_bytes(static_cast<double>(counts[kSegmentBytes])).c_str());
 
   std::printf("timings (slowest rank, %s):\n", iters == 1
                                                    ? "one cold call each; --iters N for the median of N"

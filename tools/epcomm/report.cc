@@ -102,14 +102,17 @@ JsonLine& JsonLine::add(const std::string& k, int64_t value) {
   return *this;
 }
 
-JsonLine& JsonLine::add(const std::string& k, double value) {
+JsonLine& JsonLine::add(const std::string& k, double value, int decimals) {
   key(k);
   if (!std::isfinite(value)) {
     body_ += "null";
     return *this;
   }
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "%.6g", value);
+  char buf[64];
+  if (decimals < 0 || std::fabs(value) >= 1e15)
+    std::snprintf(buf, sizeof(buf), "%.6g", value);
+  else
+    std::snprintf(buf, sizeof(buf), "%.*f", decimals, value);
   body_ += buf;
   return *this;
 }

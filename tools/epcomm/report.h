@@ -31,7 +31,8 @@ class JsonLine {
   JsonLine& add(const std::string& key, const char* value) { return add(key, std::string(value)); }
   JsonLine& add(const std::string& key, int64_t value);
   JsonLine& add(const std::string& key, int value) { return add(key, static_cast<int64_t>(value)); }
-  JsonLine& add(const std::string& key, double value);  // non-finite values become null
+  // Non-finite values become null. decimals < 0: "%.6g"; else fixed-point with that many decimals.
+  JsonLine& add(const std::string& key, double value, int decimals = -1);
   JsonLine& add(const std::string& key, bool value);
   std::string str() const { return "{" + body_ + "}"; }
 
