@@ -1,4 +1,5 @@
 // tools/epcomm/demo_model.cc — demo inputs from the seed and the dense single-process reference.
+// The reference shares the router and expert code with the ranks, but no communication or routing plan.
 //
 // Tolerance. Both paths feed each expert bitwise the same fp32 row and get bitwise the same fp32 output y
 // (Expert::forward's row results do not depend on batching). They differ only in roundings:

@@ -1,4 +1,5 @@
 // tools/epcomm/numerics.cc — seeded random values, dtype conversions and dispatched-row readers.
+// Conversions round to nearest even through tensor/half.h; quantized rows go through quant/row.h.
 #include "numerics.h"
 
 #include <cstring>

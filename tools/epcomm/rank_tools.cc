@@ -1,4 +1,5 @@
 // tools/epcomm/rank_tools.cc — progress lines that appear only for runs longer than a second.
+// A helper thread flushes the held lines when the second passes; phase() prints directly afterwards.
 #include "rank_tools.h"
 
 #include <cstdio>

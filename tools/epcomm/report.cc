@@ -1,4 +1,5 @@
 // tools/epcomm/report.cc — statistics, bar charts, sizes and JSON lines for the tool's output.
+// Pure formatting: no I/O except into the returned strings.
 #include "report.h"
 
 #include <algorithm>

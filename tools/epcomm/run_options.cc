@@ -1,4 +1,5 @@
 // tools/epcomm/run_options.cc — shared flags of demo and bench, and the rank launcher with its exit rules.
+// Cross-flag checks (E % R, K <= E, quant vs dtype) happen here, before any rank starts.
 #include "run_options.h"
 
 #include <algorithm>
