@@ -1,0 +1,70 @@
+// tools/epcomm/flags.h — command-line flags of the epcomm subcommands: a small parser with per-command help,
+// and value checks whose messages name the flag, the expected and the actual value (exit status 2).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace epcomm::cli {
+
+// Exit statuses of every subcommand.
+constexpr int kExitOk = 0;
+constexpr int kExitFail = 1;   // a check failed, or a runtime error (timeout, peer failure, ...)
+constexpr int kExitUsage = 2;  // a bad flag or value, or an argument the library rejected
+
+// A bad command line. main prints "<command>: <what>" and exits with kExitUsage.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Flags are `--name value` or `--name=value`; switches are `--name`. `--help`/`-h` is always accepted.
+// Not thread-safe; one parser per command invocation.
+class FlagParser {
+ public:
+  FlagParser(std::string command, std::string usage, std::string summary);
+
+  void add(const std::string& name, const std::string& metavar, const std::string& default_text,
+           const std::string& help);
+  void add_switch(const std::string& name, const std::string& help);
+  void set_epilog(std::string epilog) { epilog_ = std::move(epilog); }
+
+  // Throws UsageError for an unknown flag, a missing value or a positional argument. Returns false when
+  // --help was given (the caller prints help() and exits 0).
+  bool parse(int argc, char** argv);
+
+  bool given(const std::string& name) const { return values_.count(name) != 0; }
+  bool on(const std::string& name) const { return given(name); }  // for switches
+  // The value given, else the default text.
+  std::string str(const std::string& name) const;
+  // An integer within [min, max]; otherwise a UsageError naming the flag, the range and the value.
+  int64_t integer(const std::string& name, int64_t min, int64_t max) const;
+  // A byte count: an integer with an optional K, M or G suffix (powers of 1024), e.g. 64M.
+  int64_t bytes(const std::string& name) const;
+  // A positive number of seconds.
+  double seconds(const std::string& name) const;
+  // One of `choices`; otherwise a UsageError listing them.
+  std::string choice(const std::string& name, const std::vector<std::string>& choices) const;
+
+  const std::string& command() const { return command_; }
+  std::string help() const;
+
+ private:
+  struct Spec {
+    std::string name, metavar, default_text, help;
+    bool is_switch = false;
+  };
+  const Spec* find(const std::string& name) const;
+
+  std::string command_, usage_, summary_, epilog_;
+  std::vector<Spec> specs_;
+  std::map<std::string, std::string> values_;
+};
+
+// Formats "--name: expected <expected>, got '<actual>'".
+std::string bad_value(const std::string& name, const std::string& expected, const std::string& actual);
+
+}  // namespace epcomm::cli

@@ -1,0 +1,64 @@
+// tools/epcomm/run_options.h — the flags demo and bench share (shape, order, dtype, quant, launcher), their
+// validation, and running one body on every local rank with the exit-status rules of the tool.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "epcomm/bootstrap.h"
+#include "epcomm/tensor.h"
+#include "epcomm/types.h"
+#include "flags.h"
+
+namespace epcomm::cli {
+
+enum class Launcher { fork, threads };
+
+// Validated values of the shared flags. Invariants: experts % ranks == 0, 1 <= topk <= experts.
+struct RunOptions {
+  int ranks = 4;
+  int64_t tokens = 256;  // per rank
+  int64_t hidden = 1024;
+  int experts = 32;
+  int topk = 4;
+  std::optional<ReceiveOrder> order;  // none: the command's default
+  DType dtype = DType::bf16;
+  uint64_t seed = 1;
+  int iters = 1;
+  std::optional<QuantMode> quant;  // none: rows are copied as they are (plain)
+  int64_t num_nvl_bytes = 0;       // 0: the library default (64 MiB)
+  Launcher launcher = Launcher::fork;
+  std::optional<double> timeout_s;  // none: EPCOMM_TIMEOUT_S, else 100
+  bool quiet = false;
+
+  int local_experts() const { return experts / ranks; }
+  // Payload bytes of one dispatched row: H * elem, or the quantized data and scale bytes (spec §4.6).
+  int64_t dispatch_row_bytes() const;
+  std::string quant_name() const { return quant ? quant_mode_name(*quant) : "none"; }
+};
+
+// Defaults of one command, shown in its --help.
+struct RunDefaults {
+  int ranks;
+  int64_t tokens, hidden;
+  int experts, topk, iters;
+  std::string order;  // "" = the command decides (bench: both)
+};
+
+void add_run_flags(FlagParser& parser, const RunDefaults& defaults);
+// Reads and cross-checks the shared flags; checks the quant mode against the library's quantizers (so
+// "not supported yet" is reported before any rank starts). Throws UsageError.
+RunOptions read_run_flags(const FlagParser& parser);
+
+// The body of one rank; returns its exit status.
+using RankBody = std::function<int(std::unique_ptr<Bootstrap>)>;
+
+// Runs `body` on opts.ranks local ranks (forked processes or threads). Inside, an epcomm::Error escaping
+// the body becomes exit status 2 for InvalidUsage (printed by rank 0 only, since every rank raises it) and 1
+// otherwise (printed by every rank). The tool's status: 2 if any rank returned 2, else 1 if any rank failed
+// or died, else 0.
+int run_ranks(const std::string& command, const RunOptions& opts, const RankBody& body);
+
+}  // namespace epcomm::cli
