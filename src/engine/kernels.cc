@@ -35,7 +35,7 @@ struct F32 {
 constexpr int64_t kBlock = 256;  // fp32 partial sums of one block stay in registers / L1
 
 template <typename Fmt>
-void reduce_token_t(const uint8_t* const* rows, const float* weights, int n, int64_t hidden, const uint8_t* bias1,
+[[gnu::always_inline]] inline void reduce_token_t(const uint8_t* const* rows, const float* weights, int n, int64_t hidden, const uint8_t* bias1,
                     const uint8_t* bias2, uint8_t* out) {
   using T = typename Fmt::T;
   T* o = reinterpret_cast<T*>(out);
@@ -68,6 +68,11 @@ void reduce_token_t(const uint8_t* const* rows, const float* weights, int n, int
 
 }  // namespace
 
+// One binary runs everywhere: the loop is compiled for AVX-512, AVX2 and baseline x86-64 and chosen at
+// load time from the CPU's features. Results are identical (no FMA, same order of operations).
+#if defined(__x86_64__)
+[[gnu::target_clones("avx512f", "avx2", "default")]]
+#endif
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                   const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
   switch (dt) {

@@ -19,7 +19,7 @@ enum class OpKind : uint32_t { dispatch = 1, cached_dispatch = 2, combine = 3 };
 const char* op_kind_name(OpKind op);
 
 // Flags of HeaderData::flags.
-enum : uint32_t { kHasTopk = 1, kHasWeights = 2, kHasBias = 4, kHasInRank = 8 };
+constexpr uint32_t kHasTopk = 1, kHasWeights = 2, kHasBias = 4, kHasInRank = 8;
 
 // One collective call's header: parameters that must match across ranks, this rank's validation status
 // and message. Written with plain stores, then `seq` is released; readers acquire `seq` first.
