@@ -179,7 +179,7 @@ TEST_P(LaunchTest, MissingRankTimesOutNamingIt) {
   opts.quiet = true;
   auto exits = launch()(
       n,
-      [missing](std::unique_ptr<Bootstrap> b) {
+      [missing, local = is_local()](std::unique_ptr<Bootstrap> b) {
         if (b->rank() == missing) {
           // Stays connected but never joins, so the others see a silent rank rather than a closed socket.
           std::this_thread::sleep_for(1500ms);
@@ -195,7 +195,9 @@ TEST_P(LaunchTest, MissingRankTimesOutNamingIt) {
           if (m.find("all_gather") == std::string::npos) return 41;
           if (m.find("ranks [" + std::to_string(missing) + "]") == std::string::npos) return 42;
           if (m.find("500 ms") == std::string::npos) return 43;
-          if (took < 450 || took > 2500) return 44;
+          // The first rank to time out fails the collective for everyone, so only the local job's rank 0
+          // (the judge) is sure to have waited its whole deadline; later arrivals hear the verdict sooner.
+          if (took > 2500 || (local && b->rank() == 0 && took < 450)) return 44;
           return 0;
         }
         return 45;
