@@ -2,14 +2,14 @@
 include(GoogleTest)
 
 # epcomm_add_unit_test(<file.cc> [LIBS ...]): one gtest executable per file, each TEST a ctest entry
-# labelled `unit`.
+# labelled `unit` and named `<file>.<Suite>.<Test>`, so `ctest -R <file>` selects one file's tests.
 function(epcomm_add_unit_test file)
   cmake_parse_arguments(ARG "" "" "LIBS" ${ARGN})
   get_filename_component(name ${file} NAME_WE)
   add_executable(${name} ${file})
   target_link_libraries(${name} PRIVATE epcomm epcomm_testsupport GTest::gtest_main ${ARG_LIBS})
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
-  gtest_discover_tests(${name} PROPERTIES LABELS unit DISCOVERY_TIMEOUT 60)
+  gtest_discover_tests(${name} TEST_PREFIX "${name}." PROPERTIES LABELS unit DISCOVERY_TIMEOUT 60)
 endfunction()
 
 # epcomm_add_multirank_test(<case> LAUNCHERS thread fork NP 1 2 4 [TIMEOUT s] [LABEL l]):

@@ -44,10 +44,12 @@ using RankFn = std::function<int(std::unique_ptr<Bootstrap>)>;
 //
 // Blocks until every child exits. When `opts.timeout` passes first, the remaining children are killed with
 // SIGKILL and reported with signal 9. Every child is reaped before return, on every path (no zombies); other
-// children of the caller are left alone. Returns one RankExit per rank, in rank order. Throws
-// Error(InvalidUsage) for num_ranks < 1 and Error(SystemError) when fork fails (already forked children are
-// killed and reaped first). Not collective. Call it from one thread at a time: a child holds a copy of
-// only the thread that forked it, so concurrent launches (or other busy threads) risk locks held forever.
+// children of the caller are left alone (a child reaped behind the launcher's back, e.g. with SIGCHLD
+// ignored, reports exit_code -1). Children are SIGKILLed if the launching thread dies first. Returns one
+// RankExit per rank, in rank order. Throws Error(InvalidUsage) for num_ranks < 1 and Error(SystemError) when
+// fork fails (already forked children are killed and reaped first). Not collective. Call it from one thread
+// at a time: a child holds a copy of only the thread that forked it, so concurrent launches (or other busy
+// threads) risk locks held forever.
 std::vector<RankExit> launch_local(int num_ranks, const RankFn& fn, const LaunchOptions& opts = {});
 
 // The same contract with ranks as threads of this process, each given an in-process Bootstrap of one fresh

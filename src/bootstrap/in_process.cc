@@ -19,7 +19,9 @@ InProcessWorld::InProcessWorld(int size, std::chrono::milliseconds timeout)
       timeout_(timeout),
       unique_id_(bootstrap_detail::make_host_unique_id("ip")),
       claimed_(static_cast<size_t>(size), false),
-      arrived_(static_cast<size_t>(size), false) {}
+      arrived_(static_cast<size_t>(size), false),
+      ops_(static_cast<size_t>(size), nullptr),
+      contributions_(static_cast<size_t>(size)) {}
 
 void InProcessWorld::claim_rank(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -52,6 +54,30 @@ void InProcessWorld::abort(const std::string& reason) {
   cv_.notify_all();
 }
 
+void InProcessWorld::complete_locked() {
+  const size_t len = contributions_[0].size();
+  for (int q = 1; q < size_; ++q) {
+    if (std::strcmp(ops_[q], ops_[0]) != 0)
+      fail_locked(ErrorCode::InvalidUsage,
+                  detail::cat("bootstrap: rank ", q, " called ", ops_[q], " while rank 0 called ", ops_[0],
+                              " (collectives out of order)"));
+    if (contributions_[q].size() != len)
+      fail_locked(ErrorCode::InvalidUsage,
+                  detail::cat("bootstrap ", ops_[0], ": rank ", q, " contributed ", contributions_[q].size(),
+                              " bytes but rank 0 contributed ", len,
+                              " bytes (expected equal lengths on every rank)"));
+  }
+  result_.resize(len * static_cast<size_t>(size_));
+  for (int q = 0; q < size_; ++q) {
+    if (len > 0) std::memcpy(result_.data() + static_cast<size_t>(q) * len, contributions_[q].data(), len);
+    contributions_[q].clear();
+  }
+  std::fill(arrived_.begin(), arrived_.end(), false);
+  num_arrived_ = 0;
+  ++generation_;
+  cv_.notify_all();
+}
+
 std::vector<std::byte> InProcessWorld::collective(int rank, const char* op,
                                                   const std::vector<std::byte>& bytes) {
   const Deadline deadline(timeout_);
@@ -61,30 +87,11 @@ std::vector<std::byte> InProcessWorld::collective(int rank, const char* op,
                  ": the in-process world failed earlier: ", failure_->what());
   EPCOMM_ASSERT(!arrived_[rank], "rank ", rank, " entered bootstrap ", op, " twice at once");
 
-  if (num_arrived_ == 0) {
-    op_ = op;
-    first_rank_ = rank;
-    len_ = bytes.size();
-    pending_.assign(len_ * static_cast<size_t>(size_), std::byte{0});
-  } else if (std::strcmp(op_, op) != 0) {
-    fail_locked(ErrorCode::InvalidUsage,
-                detail::cat("bootstrap: rank ", rank, " called ", op, " while rank ", first_rank_, " called ",
-                            op_, " (collectives out of order)"));
-  } else if (bytes.size() != len_) {
-    fail_locked(
-        ErrorCode::InvalidUsage,
-        detail::cat("bootstrap ", op, ": rank ", rank, " contributed ", bytes.size(), " bytes but rank ",
-                    first_rank_, " contributed ", len_, " bytes (expected equal lengths on every rank)"));
-  }
-  if (len_ > 0) std::memcpy(pending_.data() + static_cast<size_t>(rank) * len_, bytes.data(), len_);
+  ops_[rank] = op;
+  contributions_[rank] = bytes;
   arrived_[rank] = true;
-
   if (++num_arrived_ == size_) {
-    result_.swap(pending_);
-    std::fill(arrived_.begin(), arrived_.end(), false);
-    num_arrived_ = 0;
-    ++generation_;
-    cv_.notify_all();
+    complete_locked();
     return result_;
   }
 

@@ -46,6 +46,7 @@ class InProcessWorld {
  private:
   [[noreturn]] void fail_locked(ErrorCode code, const std::string& message);
   std::vector<int> missing_ranks_locked() const;
+  void complete_locked();  // the last rank arrived: judge, publish the result, release the waiters
 
   const int size_;
   const std::chrono::milliseconds timeout_;
@@ -57,11 +58,11 @@ class InProcessWorld {
   uint64_t generation_ = 0;  // collectives completed so far
   int num_arrived_ = 0;      // in the current collective
   std::vector<bool> arrived_;
-  const char* op_ = nullptr;  // of the current collective, set by its first arrival
-  int first_rank_ = -1;
-  size_t len_ = 0;
-  std::vector<std::byte> pending_;  // being filled by the current collective
-  std::vector<std::byte> result_;   // of the last completed collective; waiters copy it out
+  // The current collective's arrivals. They are judged only once every rank is in, against rank 0 (as the
+  // local bootstrap does), so that every rank of a mismatched collective gets the same InvalidUsage.
+  std::vector<const char*> ops_;
+  std::vector<std::vector<std::byte>> contributions_;
+  std::vector<std::byte> result_;  // of the last completed collective; waiters copy it out
   std::optional<Error> failure_;
 };
 

@@ -153,10 +153,8 @@ TEST_P(LaunchTest, MismatchedLengthsFailEveryRank) {
         } catch (const Error& e) {
           std::string m = e.what();
           if (e.code() != ErrorCode::InvalidUsage) return 30;
-          if (m.find("contributed 8 bytes") == std::string::npos ||
-              m.find("contributed 4 bytes") == std::string::npos)
+          if (m.find("rank 1 contributed 8 bytes but rank 0 contributed 4 bytes") == std::string::npos)
             return 31;
-          if (m.find("rank 1") == std::string::npos) return 32;
           // The bootstrap is failed for good afterwards.
           try {
             b->barrier();
@@ -181,7 +179,7 @@ TEST_P(LaunchTest, MissingRankTimesOutNamingIt) {
   opts.quiet = true;
   auto exits = launch()(
       n,
-      [missing](std::unique_ptr<Bootstrap> b) {
+      [missing, local = is_local()](std::unique_ptr<Bootstrap> b) {
         if (b->rank() == missing) {
           // Stays connected but never joins, so the others see a silent rank rather than a closed socket.
           std::this_thread::sleep_for(1500ms);
@@ -197,7 +195,9 @@ TEST_P(LaunchTest, MissingRankTimesOutNamingIt) {
           if (m.find("all_gather") == std::string::npos) return 41;
           if (m.find("ranks [" + std::to_string(missing) + "]") == std::string::npos) return 42;
           if (m.find("500 ms") == std::string::npos) return 43;
-          if (took < 450 || took > 2500) return 44;
+          // The first rank to time out fails the collective for everyone, so only the local job's rank 0
+          // (the judge) is sure to have waited its whole deadline; later arrivals hear the verdict sooner.
+          if (took > 2500 || (local && b->rank() == 0 && took < 450)) return 44;
           return 0;
         }
         return 45;
