@@ -7,6 +7,13 @@
 #include <bit>
 #include <cstdint>
 
+// Forces inlining into vectorized loops (including loops compiled for a wider ISA than the caller's default).
+#if defined(__GNUC__)
+#define EPCOMM_QUANT_INLINE inline __attribute__((always_inline))
+#else
+#define EPCOMM_QUANT_INLINE inline
+#endif
+
 // Every function here is pure, thread-safe and never throws. Codes are raw bit patterns (uint8_t/uint16_t);
 // "decode" widens a code to its exact binary32 value. Results are specified bit for bit by spec/quant.md,
 // need IEEE binary32 arithmetic in round-to-nearest-even with subnormals honoured (no FTZ/DAZ), and hold for
@@ -20,22 +27,23 @@ enum class Saturation { sat, nosat };
 
 namespace quant_detail {
 
-inline uint32_t bits(float f) {
+EPCOMM_QUANT_INLINE uint32_t bits(float f) {
   return std::bit_cast<uint32_t>(f);
 }
-inline float from_bits(uint32_t u) {
+EPCOMM_QUANT_INLINE float from_bits(uint32_t u) {
   return std::bit_cast<float>(u);
 }
-
-// Exact binary32 value of `2^e` for normal exponents, computed without libm so tables stay constexpr.
-constexpr uint32_t pow2_bits(int e) {
-  return static_cast<uint32_t>(e + 127) << 23;
+// c ? a : b through a mask. Written as arithmetic so that GCC keeps loops branch-free even when an operand
+// comes from a floating-point operation it must not speculate under -ftrapping-math (the default).
+EPCOMM_QUANT_INLINE uint32_t select(bool c, uint32_t a, uint32_t b) {
+  uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
 }
 
-// Binary32 bit patterns of every code of the 8-bit formats; NaN codes hold the canonical 0x7FC00000.
+// NaN codes of the 8-bit formats decode to the canonical 0x7FC00000.
 constexpr uint32_t kCanonicalNan = 0x7FC00000u;
 
-// Builds the bits of sign * (m / 2^mbits) * 2^e exactly for a small integer significand, using only
+// Builds the bits of sign * m * 2^e exactly for a small integer significand, using only
 // integer operations (constexpr-friendly). `m` may be 0.
 constexpr uint32_t exact_bits(bool negative, uint32_t m, int e) {
   uint32_t sign = negative ? 0x80000000u : 0u;
@@ -125,23 +133,24 @@ inline constexpr std::array<float, 16> kE2m1Values = {0.0f,  0.5f,  1.0f,  1.5f,
 // ---- bf16 (quant.md §2.1) ----
 
 // fp32 -> bf16 bits, round to nearest even; overflow gives ±Inf, subnormals are rounded; NaN gives 0x7FC0.
-inline uint16_t to_bf16_bits(float f) {
+EPCOMM_QUANT_INLINE uint16_t to_bf16_bits(float f) {
   uint32_t u = quant_detail::bits(f);
   uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
 }
-inline uint16_t float_to_bf16(float f) {
+EPCOMM_QUANT_INLINE uint16_t float_to_bf16(float f) {
   return to_bf16_bits(f);
 }
 // Exact widening bf16 -> fp32 (NaN payloads are kept).
-inline float bf16_to_float(uint16_t b) {
+EPCOMM_QUANT_INLINE float bf16_to_float(uint16_t b) {
   return quant_detail::from_bits(static_cast<uint32_t>(b) << 16);
 }
 
 // ---- fp16 (quant.md §2.1) ----
 
 // fp32 -> IEEE binary16 bits, RNE with gradual underflow; |x| >= 65520 and ±Inf give ±Inf; NaN gives 0x7E00.
-inline uint16_t to_fp16_bits(float f) {
+EPCOMM_QUANT_INLINE uint16_t to_fp16_bits(float f) {
+  using quant_detail::select;
   uint32_t u = quant_detail::bits(f);
   uint32_t a = u & 0x7FFFFFFFu;
   uint32_t sign = (u >> 16) & 0x8000u;
@@ -149,21 +158,21 @@ inline uint16_t to_fp16_bits(float f) {
   uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
   // Below 2^-14: the binary32 adder rounds |x| to a multiple of 2^-24 exactly (0.5 has ulp 2^-24).
   uint32_t sub = quant_detail::bits(quant_detail::from_bits(a) + 0.5f) - 0x3F000000u;
-  uint32_t r = a < 0x38800000u ? sub : normal;
-  r = a >= 0x477FF000u ? 0x7C00u : r;
+  uint32_t r = select(a < 0x38800000u, sub, normal);
+  r = select(a >= 0x477FF000u, 0x7C00u, r);
   r |= sign;
-  return static_cast<uint16_t>(a > 0x7F800000u ? 0x7E00u : r);
+  return static_cast<uint16_t>(select(a > 0x7F800000u, 0x7E00u, r));
 }
-inline uint16_t float_to_fp16(float f) {
+EPCOMM_QUANT_INLINE uint16_t float_to_fp16(float f) {
   return to_fp16_bits(f);
 }
 // Exact widening binary16 -> fp32 (Inf kept; NaN payloads are kept, as hardware conversions do).
-inline float fp16_to_float(uint16_t h) {
+EPCOMM_QUANT_INLINE float fp16_to_float(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t m = static_cast<uint32_t>(h & 0x7FFFu) << 13;
   // Scaling by 2^112 rebiases normals and normalizes subnormals exactly.
   uint32_t finite = quant_detail::bits(quant_detail::from_bits(m) * 0x1p112f);
-  uint32_t r = (h & 0x7C00u) == 0x7C00u ? (m | 0x7F800000u) : finite;
+  uint32_t r = quant_detail::select((h & 0x7C00u) == 0x7C00u, m | 0x7F800000u, finite);
   return quant_detail::from_bits(r | sign);
 }
 
@@ -171,37 +180,37 @@ inline float fp16_to_float(uint16_t h) {
 
 // fp32 -> e4m3 code, RNE with gradual underflow. sat: |x| > 464 and ±Inf give ±448 (0x7E/0xFE);
 // nosat: they give sign|0x7F. NaN gives 0x7F.
-inline uint8_t encode_e4m3(float f, Saturation s = Saturation::sat) {
+EPCOMM_QUANT_INLINE uint8_t encode_e4m3(float f, Saturation s = Saturation::sat) {
   uint32_t u = quant_detail::bits(f);
   uint32_t a = u & 0x7FFFFFFFu;
   uint32_t normal = (a - 0x3C000000u + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
   // Below 2^-6: 16384 has ulp 2^-9, the subnormal step, so the adder performs the RNE.
   uint32_t sub = quant_detail::bits(quant_detail::from_bits(a) + 16384.0f) - 0x46800000u;
-  uint32_t r = a < 0x3C800000u ? sub : normal;
-  r = a > 0x43E80000u ? (s == Saturation::sat ? 0x7Eu : 0x7Fu) : r;
+  uint32_t r = quant_detail::select(a < 0x3C800000u, sub, normal);
+  r = quant_detail::select(a > 0x43E80000u, s == Saturation::sat ? 0x7Eu : 0x7Fu, r);
   r |= (u >> 24) & 0x80u;
-  return static_cast<uint8_t>(a > 0x7F800000u ? 0x7Fu : r);
+  return static_cast<uint8_t>(quant_detail::select(a > 0x7F800000u, 0x7Fu, r));
 }
 // e4m3 code -> exact fp32; 0x7F/0xFF give 0x7FC00000.
-inline float decode_e4m3(uint8_t c) {
+EPCOMM_QUANT_INLINE float decode_e4m3(uint8_t c) {
   return quant_detail::from_bits(quant_detail::kE4m3Bits[c]);
 }
 
 // fp32 -> e5m2 code, RNE with gradual underflow. sat: |x| >= 61440 and ±Inf give ±57344 (0x7B/0xFB);
 // nosat: they give sign|0x7C (Inf). NaN gives 0x7E.
-inline uint8_t encode_e5m2(float f, Saturation s = Saturation::sat) {
+EPCOMM_QUANT_INLINE uint8_t encode_e5m2(float f, Saturation s = Saturation::sat) {
   uint32_t u = quant_detail::bits(f);
   uint32_t a = u & 0x7FFFFFFFu;
   uint32_t normal = (a - 0x38000000u + 0xFFFFFu + ((a >> 21) & 1u)) >> 21;
   // Below 2^-14: 128 has ulp 2^-16, the subnormal step.
   uint32_t sub = quant_detail::bits(quant_detail::from_bits(a) + 128.0f) - 0x43000000u;
-  uint32_t r = a < 0x38800000u ? sub : normal;
-  r = a >= 0x47700000u ? (s == Saturation::sat ? 0x7Bu : 0x7Cu) : r;
+  uint32_t r = quant_detail::select(a < 0x38800000u, sub, normal);
+  r = quant_detail::select(a >= 0x47700000u, s == Saturation::sat ? 0x7Bu : 0x7Cu, r);
   r |= (u >> 24) & 0x80u;
-  return static_cast<uint8_t>(a > 0x7F800000u ? 0x7Eu : r);
+  return static_cast<uint8_t>(quant_detail::select(a > 0x7F800000u, 0x7Eu, r));
 }
 // e5m2 code -> exact fp32 (±Inf kept); NaN codes give 0x7FC00000.
-inline float decode_e5m2(uint8_t c) {
+EPCOMM_QUANT_INLINE float decode_e5m2(uint8_t c) {
   return quant_detail::from_bits(quant_detail::kE5m2Bits[c]);
 }
 
@@ -209,7 +218,7 @@ inline float decode_e5m2(uint8_t c) {
 
 // fp32 -> e2m1 code (low 4 bits), RNE on the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6 (Inf too);
 // the sign is kept (−0 gives 0x8); NaN gives 0x0.
-inline uint8_t encode_e2m1(float f) {
+EPCOMM_QUANT_INLINE uint8_t encode_e2m1(float f) {
   uint32_t u = quant_detail::bits(f);
   uint32_t a = u & 0x7FFFFFFFu;
   // Each threshold crossed adds one code; strict/non-strict comparisons encode the ties-to-even rule.
@@ -219,34 +228,34 @@ inline uint8_t encode_e2m1(float f) {
   return static_cast<uint8_t>(a > 0x7F800000u ? 0u : c);
 }
 // e2m1 code (low 4 bits used) -> exact fp32.
-inline float decode_e2m1(uint8_t c) {
+EPCOMM_QUANT_INLINE float decode_e2m1(uint8_t c) {
   return quant_detail::kE2m1Values[c & 0xFu];
 }
 // Packs two e2m1 codes: element 2j in bits 3..0, element 2j+1 in bits 7..4 (PyTorch float4_e2m1fn_x2).
-inline uint8_t pack_f4x2(uint8_t even, uint8_t odd) {
+EPCOMM_QUANT_INLINE uint8_t pack_f4x2(uint8_t even, uint8_t odd) {
   return static_cast<uint8_t>((even & 0xFu) | (odd << 4));
 }
-inline uint8_t f4x2_low(uint8_t byte) {
+EPCOMM_QUANT_INLINE uint8_t f4x2_low(uint8_t byte) {
   return byte & 0xFu;
 }
-inline uint8_t f4x2_high(uint8_t byte) {
+EPCOMM_QUANT_INLINE uint8_t f4x2_high(uint8_t byte) {
   return byte >> 4;
 }
 
 // ---- e8m0 scale byte (quant.md §2.5) ----
 
 // 2^(s-127) exactly: s = 0 gives 2^-127 (0x00400000); 0xFF gives NaN (0x7FC00000).
-inline float e8m0_decode(uint8_t s) {
+EPCOMM_QUANT_INLINE float e8m0_decode(uint8_t s) {
   uint32_t r = s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
   return quant_detail::from_bits(s == 0xFF ? quant_detail::kCanonicalNan : r);
 }
 // 2^(127-s) exactly: s = 254 gives 2^-127; 0xFF gives NaN.
-inline float e8m0_reciprocal(uint8_t s) {
+EPCOMM_QUANT_INLINE float e8m0_reciprocal(uint8_t s) {
   uint32_t r = s == 254 ? 0x00400000u : static_cast<uint32_t>(254 - s) << 23;
   return quant_detail::from_bits(s == 0xFF ? quant_detail::kCanonicalNan : r);
 }
 // The smallest 2^(s-127) >= |t| (the RCEIL rule), capped at 254; NaN and ±Inf give 0xFF.
-inline uint8_t e8m0_ceil(float t) {
+EPCOMM_QUANT_INLINE uint8_t e8m0_ceil(float t) {
   uint32_t a = quant_detail::bits(t) & 0x7FFFFFFFu;
   uint32_t e = a >> 23, m = a & 0x7FFFFFu;
   uint32_t r = e == 0 ? static_cast<uint32_t>(m > 0x400000u) : e + (m != 0);
@@ -258,47 +267,55 @@ inline uint8_t e8m0_ceil(float t) {
 
 // fp32 -> hif8 code, rounding half away from zero. NaN gives 0x80; |x| < 2^-23 gives 0x00 (no −0);
 // |x| >= 40960 and ±Inf give ±Inf (0x6F/0xEF), or ±32768 (0x6E/0xEE) with Saturation::sat.
-inline uint8_t encode_hif8(float f, Saturation s = Saturation::nosat) {
+EPCOMM_QUANT_INLINE uint8_t encode_hif8(float f, Saturation s = Saturation::nosat) {
+  using quant_detail::select;
   uint32_t u = quant_detail::bits(f);
   uint32_t a = u & 0x7FFFFFFFu;
-  int32_t e = static_cast<int32_t>(a >> 23) - 127;
-  int32_t ae = e < 0 ? -e : e;
-  // Fraction bits kept at this exponent (0 for the denormal range e <= -16).
-  int32_t n = e <= -16 ? 0 : (ae >= 8 ? 1 : (ae >= 4 ? 2 : 3));
-  uint32_t drop = static_cast<uint32_t>(23 - n);
-  // Half away from zero: add half a step to the magnitude, then truncate; a carry bumps the exponent.
-  uint32_t r = a + (1u << (drop - 1));
+  // Fraction bits n kept at this exponent: 3 for |e| <= 3, 2 for 4..7, 1 for 8..15, 0 for e <= -16. As masks
+  // on the binary32 significand: `half` is half a step; adding it and truncating rounds half away from zero,
+  // and a carry bumps the exponent (leaving a zero fraction). Constants instead of shifts by n keep SSE2
+  // happy.
+  uint32_t ea = a >> 23;  // biased exponent
+  uint32_t half = select(
+      ea <= 111u, 1u << 22,
+      select(ea <= 119u || ea >= 135u, 1u << 21, select(ea <= 123u || ea >= 131u, 1u << 20, 1u << 19)));
+  uint32_t r = (a + half) & ~(2 * half - 1);
   int32_t e2 = static_cast<int32_t>(r >> 23) - 127;
-  uint32_t frac = (r & 0x7FFFFFu) >> drop;
-  int32_t ae2 = e2 < 0 ? -e2 : e2;
-  uint32_t neg = e2 < 0 ? 1u : 0u;
-  uint32_t uae = static_cast<uint32_t>(ae2);
-  uint32_t code = e2 <= -16  ? static_cast<uint32_t>(e2 + 23)
-                  : ae2 >= 8 ? 0x60u | (neg << 4) | ((uae - 8) << 1) | frac
-                  : ae2 >= 4 ? 0x40u | (neg << 4) | ((uae - 4) << 2) | frac
-                  : ae2 >= 2 ? 0x20u | (neg << 4) | ((uae - 2) << 3) | frac
-                  : ae2 == 1 ? 0x10u | (neg << 3) | frac
-                             : 0x08u | frac;
-  code = a < 0x34800000u ? 1u : code;  // 2^-23 <= |x| < 2^-22 (rule 3)
-  code = a >= 0x47200000u ? (s == Saturation::sat ? 0x6Eu : 0x6Fu) : code;
+  uint32_t neg = static_cast<uint32_t>(e2 < 0);
+  uint32_t ae2 = static_cast<uint32_t>(e2 < 0 ? -e2 : e2);
+  uint32_t f1 = (r >> 22) & 1u, f2 = (r >> 21) & 3u, f3 = (r >> 20) & 7u;  // zero after a carry
+  uint32_t code = select(ae2 == 1u, 0x10u | (neg << 3) | f3, 0x08u | f3);
+  code = select(ae2 >= 2u, 0x20u | (neg << 4) | ((ae2 - 2) << 3) | f3, code);
+  code = select(ae2 >= 4u, 0x40u | (neg << 4) | ((ae2 - 4) << 2) | f2, code);
+  code = select(ae2 >= 8u, 0x60u | (neg << 4) | ((ae2 - 8) << 1) | f1, code);
+  code = select(e2 <= -16, static_cast<uint32_t>(e2 + 23), code);  // denormals 2^(k-23)
+  code = select(a < 0x34800000u, 1u, code);                        // 2^-23 <= |x| < 2^-22 (rule 3)
+  code = select(a >= 0x47200000u, s == Saturation::sat ? 0x6Eu : 0x6Fu, code);
   code |= (u >> 24) & 0x80u;
-  code = a < 0x34000000u ? 0u : code;  // below 2^-23, ±0 and fp32 subnormals: unsigned zero
-  return static_cast<uint8_t>(a > 0x7F800000u ? 0x80u : code);
+  code = select(a < 0x34000000u, 0u, code);  // below 2^-23, ±0 and fp32 subnormals: unsigned zero
+  return static_cast<uint8_t>(select(a > 0x7F800000u, 0x80u, code));
 }
 // hif8 code -> exact fp32: 0x6F/0xEF give ±Inf, 0x80 gives 0x7FC00000.
-inline float decode_hif8(uint8_t c) {
+EPCOMM_QUANT_INLINE float decode_hif8(uint8_t c) {
   return quant_detail::from_bits(quant_detail::kHif8Bits[c]);
 }
 
 // ---- int8 (quant.md §2.7) ----
 
-// clamp(RNE_int(v), lo, hi) with NaN -> 0. lo and hi must be integers with |lo|, |hi| < 2^22.
-inline int8_t int8_sat(float v, float lo, float hi) {
-  float c = v < lo ? lo : v;
-  c = c > hi ? hi : c;
-  c = c == c ? c : 0.0f;
+// clamp(RNE_int(v), lo, hi) with NaN -> 0, for integers lo <= 0 <= hi with |lo|, |hi| < 2^22.
+EPCOMM_QUANT_INLINE int8_t int8_sat(float v, int32_t lo, int32_t hi) {
+  using quant_detail::select;
+  uint32_t u = quant_detail::bits(v);
+  uint32_t a = u & 0x7FFFFFFFu;
+  // Clamp on the bit patterns (monotone in |v|): no floating-point compare, so no branch. Clamping before
+  // rounding gives the same result because the bounds are integers.
+  uint32_t lo_bits = quant_detail::bits(static_cast<float>(lo));
+  uint32_t hi_bits = quant_detail::bits(static_cast<float>(hi));
+  uint32_t bound = (u >> 31) ? lo_bits : hi_bits;
+  uint32_t c = select(a > (bound & 0x7FFFFFFFu), bound, u);
+  c = select(a > 0x7F800000u, 0u, c);
   // 1.5 * 2^23 has ulp 1: the adder rounds c to an integer (ties to even) held in the low significand bits.
-  int32_t q = static_cast<int32_t>(quant_detail::bits(c + 12582912.0f)) - 0x4B400000;
+  int32_t q = static_cast<int32_t>(quant_detail::bits(quant_detail::from_bits(c) + 12582912.0f)) - 0x4B400000;
   return static_cast<int8_t>(q);
 }
 

@@ -13,8 +13,8 @@ using namespace kernels;
 
 // Calls f(row) with the Row type matching (in, smoothing): the single dispatch point of every quantizer.
 template <class F>
-void with_row(DType in, const void* x, const Smoothing& c, F&& f) {
-  auto with_src = [&](auto src) {
+EPCOMM_QUANT_INLINE void with_row(DType in, const void* x, const Smoothing& c, F&& f) {
+  auto with_src = [&](auto src) EPCOMM_QUANT_LAMBDA_INLINE {
     switch (c.kind()) {
       case Smoothing::Kind::none:
         f(Row<decltype(src), NoSmooth>{src, {}});
@@ -44,7 +44,7 @@ void with_row(DType in, const void* x, const Smoothing& c, F&& f) {
 }
 
 template <class F>
-void with_fp8(Fp8Format fmt, F&& f) {
+EPCOMM_QUANT_INLINE void with_fp8(Fp8Format fmt, F&& f) {
   if (fmt == Fp8Format::e4m3)
     f(E4m3{});
   else
@@ -57,32 +57,37 @@ void check_n(int64_t n) {
 
 }  // namespace
 
-void int8_per_token_a3(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q, float* scale) {
+EPCOMM_QUANT_CLONES void int8_per_token_a3(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q,
+                                           float* scale) {
   check_n(n);
-  with_row(in, x, c, [&](const auto& r) { kernels::int8_per_token_a3(r, n, q, scale); });
+  with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE { kernels::int8_per_token_a3(r, n, q, scale); });
 }
 
-void int8_per_token_950(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q, float* scale) {
+EPCOMM_QUANT_CLONES void int8_per_token_950(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q,
+                                            float* scale) {
   check_n(n);
-  with_row(in, x, c, [&](const auto& r) { kernels::int8_per_token_950(r, n, q, scale); });
+  with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE { kernels::int8_per_token_950(r, n, q, scale); });
 }
 
-void fp8_per_token(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes,
-                   float* scale) {
+EPCOMM_QUANT_CLONES void fp8_per_token(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c,
+                                       uint8_t* codes, float* scale) {
   check_n(n);
-  with_fp8(fmt, [&](auto f) {
+  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
-    with_row(in, x, c, [&](const auto& r) { kernels::fp8_per_token_range<F>(r, 0, n, codes, scale); });
+    with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
+      kernels::fp8_per_token_range<F>(r, 0, n, codes, scale);
+    });
   });
 }
 
-void fp8_per_group128(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes,
-                      void* scales, Group128Options options) {
+EPCOMM_QUANT_CLONES void fp8_per_group128(Fp8Format fmt, DType in, const void* x, int64_t n,
+                                          const Smoothing& c, uint8_t* codes, void* scales,
+                                          Group128Options options) {
   check_n(n);
   EPCOMM_CHECK(!options.ue8m0 || options.pow2_scale, "fp8_per_group128: ue8m0 requires pow2_scale");
-  with_fp8(fmt, [&](auto f) {
+  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
-    with_row(in, x, c, [&](const auto& r) {
+    with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
       if (options.ue8m0)
         kernels::fp8_per_group128<F, true, true>(r, n, codes, scales);
       else if (options.pow2_scale)
@@ -93,19 +98,21 @@ void fp8_per_group128(Fp8Format fmt, DType in, const void* x, int64_t n, const S
   });
 }
 
-void fp8_per_group128_a3(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c,
-                         uint8_t* codes, float* scales) {
+EPCOMM_QUANT_CLONES void fp8_per_group128_a3(Fp8Format fmt, DType in, const void* x, int64_t n,
+                                             const Smoothing& c, uint8_t* codes, float* scales) {
   check_n(n);
-  with_fp8(fmt, [&](auto f) {
+  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
-    with_row(in, x, c, [&](const auto& r) { kernels::fp8_per_group128_a3<F>(r, n, codes, scales); });
+    with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
+      kernels::fp8_per_group128_a3<F>(r, n, codes, scales);
+    });
   });
 }
 
-void mx_quantize(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n, uint8_t* codes,
-                 uint8_t* scales) {
+EPCOMM_QUANT_CLONES void mx_quantize(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n,
+                                     uint8_t* codes, uint8_t* scales) {
   check_n(n);
-  with_row(in, x, Smoothing::none(), [&](const auto& r) {
+  with_row(in, x, Smoothing::none(), [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
     bool rc = rule == ScaleRule::rceil;
     switch (elem) {
       case MxElem::e4m3:
@@ -126,17 +133,17 @@ void mx_quantize(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n
   });
 }
 
-void int8_static(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q) {
+EPCOMM_QUANT_CLONES void int8_static(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q) {
   check_n(n);
-  with_row(in, x, c, [&](const auto& r) { kernels::int8_static(r, n, q); });
+  with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE { kernels::int8_static(r, n, q); });
 }
 
-void hif8_static(DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes) {
+EPCOMM_QUANT_CLONES void hif8_static(DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes) {
   check_n(n);
-  with_row(in, x, c, [&](const auto& r) { kernels::hif8_static(r, n, codes); });
+  with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE { kernels::hif8_static(r, n, codes); });
 }
 
-void int8_group8_combine(DType dt, const void* y, int64_t n, int8_t* q, uint16_t* sigma) {
+EPCOMM_QUANT_CLONES void int8_group8_combine(DType dt, const void* y, int64_t n, int8_t* q, uint16_t* sigma) {
   check_n(n);
   const auto* p = static_cast<const uint16_t*>(y);
   if (dt == DType::bf16)
@@ -149,20 +156,21 @@ void int8_group8_combine(DType dt, const void* y, int64_t n, int8_t* q, uint16_t
 
 // ---- dequantization ----
 
-void dequant_int8_per_token(const int8_t* q, float scale, int64_t n, float* out) {
+EPCOMM_QUANT_CLONES void dequant_int8_per_token(const int8_t* q, float scale, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(q[i]) * scale;
 }
 
-void dequant_fp8_per_token(Fp8Format fmt, const uint8_t* codes, float scale, int64_t n, float* out) {
-  with_fp8(fmt, [&](auto f) {
+EPCOMM_QUANT_CLONES void dequant_fp8_per_token(Fp8Format fmt, const uint8_t* codes, float scale, int64_t n,
+                                               float* out) {
+  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
     for (int64_t i = 0; i < n; ++i) out[i] = F::decode(codes[i]) * scale;
   });
 }
 
-void dequant_fp8_per_group128(Fp8Format fmt, const uint8_t* codes, const void* scales, int64_t n, float* out,
-                              bool ue8m0) {
-  with_fp8(fmt, [&](auto f) {
+EPCOMM_QUANT_CLONES void dequant_fp8_per_group128(Fp8Format fmt, const uint8_t* codes, const void* scales,
+                                                  int64_t n, float* out, bool ue8m0) {
+  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
     for (int64_t b = 0, g = 0; b < n; b += 128, ++g) {
       int64_t e = b + 128 < n ? b + 128 : n;
@@ -176,7 +184,8 @@ void dequant_fp8_per_group128(Fp8Format fmt, const uint8_t* codes, const void* s
   });
 }
 
-void dequant_mx(MxElem elem, const uint8_t* codes, const uint8_t* scales, int64_t n, float* out) {
+EPCOMM_QUANT_CLONES void dequant_mx(MxElem elem, const uint8_t* codes, const uint8_t* scales, int64_t n,
+                                    float* out) {
   for (int64_t b = 0, g = 0; b < n; b += 32, ++g) {
     int64_t e = b + 32 < n ? b + 32 : n;
     float s = e8m0_decode(scales[g]);
@@ -197,10 +206,19 @@ void dequant_mx(MxElem elem, const uint8_t* codes, const uint8_t* scales, int64_
   }
 }
 
-void int8_group8_combine_dequant(DType dt, const int8_t* q, const uint16_t* sigma, int64_t n, uint16_t* out) {
-  auto run = [&](auto d) {
+EPCOMM_QUANT_CLONES void int8_group8_combine_dequant(DType dt, const int8_t* q, const uint16_t* sigma,
+                                                     int64_t n, uint16_t* out) {
+  auto run = [&](auto d) EPCOMM_QUANT_LAMBDA_INLINE {
     using D = decltype(d);
-    for (int64_t i = 0; i < n; ++i) out[i] = D::round(static_cast<float>(q[i]) * D::widen(sigma[i / 8]));
+    // sigma[i / 8] does not vectorize as such: spread 8 groups' scales over a 64-float buffer first.
+    int64_t c0 = 0;
+    for (; c0 + 64 <= n; c0 += 64) {
+      alignas(64) float sx[64];
+      for (int64_t g = 0; g < 8; ++g)
+        for (int64_t j = 0; j < 8; ++j) sx[8 * g + j] = D::widen(sigma[c0 / 8 + g]);
+      for (int64_t i = 0; i < 64; ++i) out[c0 + i] = D::round(static_cast<float>(q[c0 + i]) * sx[i]);
+    }
+    for (int64_t i = c0; i < n; ++i) out[i] = D::round(static_cast<float>(q[i]) * D::widen(sigma[i / 8]));
   };
   if (dt == DType::bf16)
     run(ToBf16{});

@@ -10,15 +10,28 @@
 // Only block.cc includes this header. Every loop body is straight-line: loads, binary32 multiplies/divides,
 // integer bit manipulation and selects. amax is an integer max over |x| bit patterns, which is exact and
 // NaN-safe (|NaN| bits exceed |Inf| bits), so a row is non-finite exactly when that max reaches 0x7F800000.
+// Entry points in block.cc are compiled once per ISA (GCC target_clones on x86-64) and everything below is
+// force-inlined into them, so each clone vectorizes for its own vector width. Results do not depend on it.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(EPCOMM_QUANT_NO_CLONES)
+#define EPCOMM_QUANT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define EPCOMM_QUANT_CLONES
+#endif
+#if defined(__GNUC__)
+#define EPCOMM_QUANT_LAMBDA_INLINE __attribute__((always_inline))
+#else
+#define EPCOMM_QUANT_LAMBDA_INLINE
+#endif
+
 namespace epcomm::quant::kernels {
 
 inline constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 inline constexpr uint32_t kInfBits = 0x7F800000u;
 
-inline float k_inv127() {
+EPCOMM_QUANT_INLINE float k_inv127() {
   return f32_from_bits(0x3C010204u);
 }  // fp32(1/127)
-inline float k_eps_1e4() {
+EPCOMM_QUANT_INLINE float k_eps_1e4() {
   return f32_from_bits(0x38D1B717u);
 }  // fp32(1e-4)
 
@@ -26,39 +39,39 @@ inline float k_eps_1e4() {
 
 struct Bf16Src {
   const uint16_t* p;
-  float operator[](int64_t i) const { return bf16_to_float(p[i]); }
+  EPCOMM_QUANT_INLINE float operator[](int64_t i) const { return bf16_to_float(p[i]); }
 };
 struct F16Src {
   const uint16_t* p;
-  float operator[](int64_t i) const { return fp16_to_float(p[i]); }
+  EPCOMM_QUANT_INLINE float operator[](int64_t i) const { return fp16_to_float(p[i]); }
 };
 struct F32Src {
   const float* p;
-  float operator[](int64_t i) const { return p[i]; }
+  EPCOMM_QUANT_INLINE float operator[](int64_t i) const { return p[i]; }
 };
 
 struct NoSmooth {
-  float operator()(float v, int64_t) const { return v; }
+  EPCOMM_QUANT_INLINE float operator()(float v, int64_t) const { return v; }
 };
 struct ScalarSmooth {
   float c;
-  float operator()(float v, int64_t) const { return v * c; }
+  EPCOMM_QUANT_INLINE float operator()(float v, int64_t) const { return v * c; }
 };
 struct VectorSmooth {
   const float* c;
-  float operator()(float v, int64_t i) const { return v * c[i]; }
+  EPCOMM_QUANT_INLINE float operator()(float v, int64_t i) const { return v * c[i]; }
 };
 
 template <class Src, class Sm>
 struct Row {
   Src src;
   Sm sm;
-  float operator()(int64_t i) const { return sm(src[i], i); }
+  EPCOMM_QUANT_INLINE float operator()(int64_t i) const { return sm(src[i], i); }
 };
 
 // max |xf_i| over [b, e) as binary32 bits (>= kInfBits: the range holds a NaN or ±Inf).
 template <class R>
-inline uint32_t amax_bits(const R& r, int64_t b, int64_t e) {
+EPCOMM_QUANT_INLINE uint32_t amax_bits(R r, int64_t b, int64_t e) {
   uint32_t m = 0;
   for (int64_t i = b; i < e; ++i) {
     uint32_t a = f32_bits(r(i)) & kAbsMask;
@@ -68,7 +81,7 @@ inline uint32_t amax_bits(const R& r, int64_t b, int64_t e) {
 }
 
 template <class T>
-inline void fill(T* p, int64_t b, int64_t e, T v) {
+EPCOMM_QUANT_INLINE void fill(T* p, int64_t b, int64_t e, T v) {
   for (int64_t i = b; i < e; ++i) p[i] = v;
 }
 
@@ -77,32 +90,32 @@ inline void fill(T* p, int64_t b, int64_t e, T v) {
 struct E4m3 {
   static constexpr uint8_t kNan = 0x7F;
   static constexpr int kEmax = 8;
-  static float max_value() { return 448.0f; }
-  static float inv_max() { return f32_from_bits(0x3B124925u); }  // fp32(1/448)
-  static uint8_t encode(float v) { return encode_e4m3(v, Saturation::sat); }
-  static float decode(uint8_t c) { return decode_e4m3(c); }
+  EPCOMM_QUANT_INLINE static float max_value() { return 448.0f; }
+  EPCOMM_QUANT_INLINE static float inv_max() { return f32_from_bits(0x3B124925u); }  // fp32(1/448)
+  EPCOMM_QUANT_INLINE static uint8_t encode(float v) { return encode_e4m3(v, Saturation::sat); }
+  EPCOMM_QUANT_INLINE static float decode(uint8_t c) { return decode_e4m3(c); }
 };
 struct E5m2 {
   static constexpr uint8_t kNan = 0x7E;
   static constexpr int kEmax = 15;
-  static float max_value() { return 57344.0f; }
-  static float inv_max() { return f32_from_bits(0x37924925u); }  // fp32(1/57344)
-  static uint8_t encode(float v) { return encode_e5m2(v, Saturation::sat); }
-  static float decode(uint8_t c) { return decode_e5m2(c); }
+  EPCOMM_QUANT_INLINE static float max_value() { return 57344.0f; }
+  EPCOMM_QUANT_INLINE static float inv_max() { return f32_from_bits(0x37924925u); }  // fp32(1/57344)
+  EPCOMM_QUANT_INLINE static uint8_t encode(float v) { return encode_e5m2(v, Saturation::sat); }
+  EPCOMM_QUANT_INLINE static float decode(uint8_t c) { return decode_e5m2(c); }
 };
 struct E2m1 {
   static constexpr uint8_t kNan = 0x0;
   static constexpr int kEmax = 2;
-  static float max_value() { return 6.0f; }
-  static float inv_max() { return f32_from_bits(0x3E2AAAABu); }  // fp32(1/6)
-  static uint8_t encode(float v) { return encode_e2m1(v); }
-  static float decode(uint8_t c) { return decode_e2m1(c); }
+  EPCOMM_QUANT_INLINE static float max_value() { return 6.0f; }
+  EPCOMM_QUANT_INLINE static float inv_max() { return f32_from_bits(0x3E2AAAABu); }  // fp32(1/6)
+  EPCOMM_QUANT_INLINE static uint8_t encode(float v) { return encode_e2m1(v); }
+  EPCOMM_QUANT_INLINE static float decode(uint8_t c) { return decode_e2m1(c); }
 };
 
 // ---- §3.2 ----
 
 template <class R>
-void int8_per_token_a3(const R& r, int64_t n, int8_t* q, float* scale) {
+EPCOMM_QUANT_INLINE void int8_per_token_a3(R r, int64_t n, int8_t* q, float* scale) {
   uint32_t m = amax_bits(r, 0, n);
   if (m >= kInfBits) {
     fill<int8_t>(q, 0, n, 0);
@@ -115,12 +128,12 @@ void int8_per_token_a3(const R& r, int64_t n, int8_t* q, float* scale) {
     *scale = 0.0f;
     return;
   }
-  for (int64_t i = 0; i < n; ++i) q[i] = int8_sat(r(i) * s, -127.0f, 127.0f);
+  for (int64_t i = 0; i < n; ++i) q[i] = int8_sat(r(i) * s, -127, 127);
   *scale = 1.0f / s;
 }
 
 template <class R>
-void int8_per_token_950(const R& r, int64_t n, int8_t* q, float* scale) {
+EPCOMM_QUANT_INLINE void int8_per_token_950(R r, int64_t n, int8_t* q, float* scale) {
   uint32_t m = amax_bits(r, 0, n);
   if (m >= kInfBits) {
     fill<int8_t>(q, 0, n, 0);
@@ -133,13 +146,13 @@ void int8_per_token_950(const R& r, int64_t n, int8_t* q, float* scale) {
     *scale = 0.0f;
     return;
   }
-  for (int64_t i = 0; i < n; ++i) q[i] = int8_sat(r(i) / sc, -127.0f, 127.0f);
+  for (int64_t i = 0; i < n; ++i) q[i] = int8_sat(r(i) / sc, -127, 127);
   *scale = sc;
 }
 
 // fp8_per_token on [b, e): also the per-group body of fp8_per_group128_a3.
 template <class F, class R>
-void fp8_per_token_range(const R& r, int64_t b, int64_t e, uint8_t* codes, float* scale) {
+EPCOMM_QUANT_INLINE void fp8_per_token_range(R r, int64_t b, int64_t e, uint8_t* codes, float* scale) {
   uint32_t m = amax_bits(r, b, e);
   if (m >= kInfBits) {
     fill<uint8_t>(codes, b, e, F::kNan);
@@ -157,14 +170,14 @@ void fp8_per_token_range(const R& r, int64_t b, int64_t e, uint8_t* codes, float
 }
 
 template <class F, class R>
-void fp8_per_group128_a3(const R& r, int64_t n, uint8_t* codes, float* scales) {
+EPCOMM_QUANT_INLINE void fp8_per_group128_a3(R r, int64_t n, uint8_t* codes, float* scales) {
   for (int64_t b = 0, g = 0; b < n; b += 128, ++g)
     fp8_per_token_range<F>(r, b, b + 128 < n ? b + 128 : n, codes, scales + g);
 }
 
 // Stores group g's scale: one e8m0 byte, or one fp32 at any alignment (scales may sit inside packed records).
 template <bool kUe8m0>
-inline void store_scale(void* scales, int64_t g, float f32, uint8_t byte) {
+EPCOMM_QUANT_INLINE void store_scale(void* scales, int64_t g, float f32, uint8_t byte) {
   if constexpr (kUe8m0)
     static_cast<uint8_t*>(scales)[g] = byte;
   else
@@ -173,7 +186,7 @@ inline void store_scale(void* scales, int64_t g, float f32, uint8_t byte) {
 
 // DeepEP per-group arithmetic; kPow2 = round_scale, kUe8m0 = one e8m0 byte per group.
 template <class F, bool kPow2, bool kUe8m0, class R>
-void fp8_per_group128(const R& r, int64_t n, uint8_t* codes, void* scales) {
+EPCOMM_QUANT_INLINE void fp8_per_group128(R r, int64_t n, uint8_t* codes, void* scales) {
   for (int64_t b = 0, g = 0; b < n; b += 128, ++g) {
     int64_t e = b + 128 < n ? b + 128 : n;
     uint32_t m = amax_bits(r, b, e);
@@ -203,7 +216,7 @@ void fp8_per_group128(const R& r, int64_t n, uint8_t* codes, void* scales) {
 // ---- §3.3 MX ----
 
 template <class F, bool kRceil, class R>
-uint8_t mx_block(const R& r, int64_t b, int64_t e, uint8_t* codes) {
+EPCOMM_QUANT_INLINE uint8_t mx_block(R r, int64_t b, int64_t e, uint8_t* codes) {
   uint32_t m = amax_bits(r, b, e);
   if (m >= kInfBits) {
     fill<uint8_t>(codes, b, e, F::kNan);
@@ -226,19 +239,19 @@ uint8_t mx_block(const R& r, int64_t b, int64_t e, uint8_t* codes) {
 }
 
 template <class F, bool kRceil, class R>
-void mx_quantize(const R& r, int64_t n, uint8_t* codes, uint8_t* scales) {
+EPCOMM_QUANT_INLINE void mx_quantize(R r, int64_t n, uint8_t* codes, uint8_t* scales) {
   for (int64_t b = 0, g = 0; b < n; b += 32, ++g)
     scales[g] = mx_block<F, kRceil>(r, b, b + 32 < n ? b + 32 : n, codes);
 }
 
 // e2m1: codes of each block go through a small buffer and are packed two per byte.
 template <bool kRceil, class R>
-void mxfp4_quantize(const R& r, int64_t n, uint8_t* packed, uint8_t* scales) {
+EPCOMM_QUANT_INLINE void mxfp4_quantize(R r, int64_t n, uint8_t* packed, uint8_t* scales) {
   alignas(64) uint8_t tmp[32];
   for (int64_t b = 0, g = 0; b < n; b += 32, ++g) {
     int64_t len = b + 32 < n ? 32 : n - b;
     // Shift the row so that mx_block writes tmp[0..len).
-    auto shifted = [&r, b](int64_t i) { return r(i + b); };
+    auto shifted = [r, b](int64_t i) EPCOMM_QUANT_LAMBDA_INLINE { return r(i + b); };
     scales[g] = mx_block<E2m1, kRceil>(shifted, 0, len, tmp);
     for (int64_t j = 0; j < len / 2; ++j) packed[b / 2 + j] = pack_f4x2(tmp[2 * j], tmp[2 * j + 1]);
   }
@@ -247,40 +260,72 @@ void mxfp4_quantize(const R& r, int64_t n, uint8_t* packed, uint8_t* scales) {
 // ---- §3.4 ----
 
 template <class R>
-void int8_static(const R& r, int64_t n, int8_t* q) {
-  for (int64_t i = 0; i < n; ++i) q[i] = int8_sat(r(i), -128.0f, 127.0f);
+EPCOMM_QUANT_INLINE void int8_static(R r, int64_t n, int8_t* q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = int8_sat(r(i), -128, 127);
 }
 
 template <class R>
-void hif8_static(const R& r, int64_t n, uint8_t* codes) {
+EPCOMM_QUANT_INLINE void hif8_static(R r, int64_t n, uint8_t* codes) {
   for (int64_t i = 0; i < n; ++i) codes[i] = encode_hif8(r(i), Saturation::sat);
 }
 
 struct ToBf16 {
   static constexpr uint16_t kNan = kBf16Nan;
-  static uint16_t round(float v) { return float_to_bf16(v); }
-  static float widen(uint16_t h) { return bf16_to_float(h); }
+  EPCOMM_QUANT_INLINE static uint16_t round(float v) { return float_to_bf16(v); }
+  EPCOMM_QUANT_INLINE static float widen(uint16_t h) { return bf16_to_float(h); }
 };
 struct ToF16 {
   static constexpr uint16_t kNan = kF16Nan;
-  static uint16_t round(float v) { return float_to_fp16(v); }
-  static float widen(uint16_t h) { return fp16_to_float(h); }
+  EPCOMM_QUANT_INLINE static uint16_t round(float v) { return float_to_fp16(v); }
+  EPCOMM_QUANT_INLINE static float widen(uint16_t h) { return fp16_to_float(h); }
 };
 
+// One group of 8 (or the partial tail), straightforwardly.
 template <class D, class R>
-void int8_group8_combine(const R& r, int64_t n, int8_t* q, uint16_t* sigma) {
-  for (int64_t b = 0, g = 0; b < n; b += 8, ++g) {
-    int64_t e = b + 8 < n ? b + 8 : n;
-    uint32_t m = amax_bits(r, b, e);
-    float s32 = f32_from_bits(m) * k_inv127();
-    if (m >= kInfBits || s32 == 0.0f) {
-      fill<int8_t>(q, b, e, 0);
-      sigma[g] = m >= kInfBits ? D::kNan : 0;
-      continue;
-    }
-    for (int64_t i = b; i < e; ++i) q[i] = int8_sat(r(i) / s32, -127.0f, 127.0f);
-    sigma[g] = D::round(s32);
+EPCOMM_QUANT_INLINE void int8_group8_combine_group(R r, int64_t b, int64_t e, int8_t* q, uint16_t* sigma) {
+  uint32_t m = amax_bits(r, b, e);
+  float s32 = f32_from_bits(m) * k_inv127();
+  if (m >= kInfBits || f32_bits(s32) == 0) {
+    fill<int8_t>(q, b, e, 0);
+    *sigma = m >= kInfBits ? D::kNan : 0;
+    return;
   }
+  for (int64_t i = b; i < e; ++i) q[i] = int8_sat(r(i) / s32, -127, 127);
+  *sigma = D::round(s32);
+}
+
+// Groups of 8 are too short to vectorize one at a time, so 8 groups (64 elements) go together: widen them,
+// take 8 maxima, then divide every element by its group's s32 spread over a 64-float buffer. A zero or
+// non-finite group divides by +Inf instead, which yields q = 0 for every element (int8_sat maps NaN to 0).
+template <class D, class R>
+EPCOMM_QUANT_INLINE void int8_group8_combine(R r, int64_t n, int8_t* q, uint16_t* sigma) {
+  constexpr int64_t kChunk = 64, kGroups = kChunk / 8;
+  int64_t c0 = 0;
+  for (; c0 + kChunk <= n; c0 += kChunk) {
+    alignas(64) float v[kChunk], div[kChunk];
+    uint32_t m[kGroups];
+    for (int64_t i = 0; i < kChunk; ++i) v[i] = r(c0 + i);
+    for (int64_t g = 0; g < kGroups; ++g) {
+      uint32_t mm = 0;
+      for (int64_t j = 0; j < 8; ++j) {
+        uint32_t a = f32_bits(v[8 * g + j]) & kAbsMask;
+        mm = a > mm ? a : mm;
+      }
+      m[g] = mm;
+    }
+    for (int64_t g = 0; g < kGroups; ++g) {
+      float s32 = f32_from_bits(m[g]) * k_inv127();
+      uint32_t sb = f32_bits(s32);
+      bool bad = m[g] >= kInfBits || sb == 0;
+      uint16_t sg = static_cast<uint16_t>(quant_detail::select(m[g] >= kInfBits, D::kNan, 0));
+      sigma[c0 / 8 + g] = static_cast<uint16_t>(quant_detail::select(bad, sg, D::round(s32)));
+      float d = f32_from_bits(quant_detail::select(bad, kInfBits, sb));
+      for (int64_t j = 0; j < 8; ++j) div[8 * g + j] = d;
+    }
+    for (int64_t i = 0; i < kChunk; ++i) q[c0 + i] = int8_sat(v[i] / div[i], -127, 127);
+  }
+  for (int64_t b = c0; b < n; b += 8)
+    int8_group8_combine_group<D>(r, b, b + 8 < n ? b + 8 : n, q, sigma + b / 8);
 }
 
 }  // namespace epcomm::quant::kernels
