@@ -1,0 +1,20 @@
+// quant/bench.h — single-thread throughput of every block quantizer and dequantizer on bf16 input, for the
+// `epcomm bench` command line (quant.md §7). A measurement, not a test: it never asserts anything.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace epcomm::quant {
+
+struct QuantBenchResult {
+  std::string algo;     // spec algorithm name; "<name>.dequant" for the inverse (fp32 out)
+  double gbps_bf16_in;  // GB/s (1e9 bytes) of bf16 input, rows * hidden * 2 bytes per pass, one core
+};
+
+// Quantizes (and dequantizes) a rows x hidden bf16 matrix of seeded random values `iters` times per algorithm
+// on the calling thread and reports the best pass. Throws Error(InvalidUsage) for non-positive arguments.
+std::vector<QuantBenchResult> run_quant_benchmark(int64_t rows, int64_t hidden, int iters);
+
+}  // namespace epcomm::quant
