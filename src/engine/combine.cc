@@ -44,7 +44,12 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
   const int slots = expert ? K : R;
   const size_t row_bytes = static_cast<size_t>(Hc) * elem;
   const size_t wbytes = in.recv_weights ? sizeof(float) * K : 0;
-  const CombineGeometry geo = combine_geometry(ctx.layout().data_bytes, row_bytes, slots, wbytes);
+  // Two halves when a window fits in half the area: contributors fill window w + 1 while the origin reduces w.
+  const size_t half = ctx.layout().data_bytes / 2 / kAlign * kAlign;
+  const bool two = combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
+  const int64_t halves = two ? 2 : 1;
+  const size_t area_bytes = two ? half : ctx.layout().data_bytes;
+  const CombineGeometry geo = combine_geometry(area_bytes, row_bytes, slots, wbytes);
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total, " cannot hold the ",
                  slots, " copies of one token (", row_bytes, " bytes each); the minimum for this call is ",
@@ -75,7 +80,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
 
   // Contributor: write the copies of origin s's tokens in window w into s's slots.
   auto fill = [&](int s, int64_t w) {
-    uint8_t* area = ctx.data(s);
+    uint8_t* area = ctx.data(s) + static_cast<size_t>(w % halves) * area_bytes;
     const int64_t t0 = w * W, t1 = t0 + W;
     const int64_t end = hd.source_offsets[s + 1];
     while (pos[s] < end) {
@@ -97,8 +102,9 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
   auto reduce = [&](int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(T, t0 + W);
+    const uint8_t* win = my_area + static_cast<size_t>(w % halves) * area_bytes;
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* base = my_area + static_cast<size_t>(t - t0) * slots * geo.row_stride;
+      const uint8_t* base = win + static_cast<size_t>(t - t0) * slots * geo.row_stride;
       int n = 0;
       if (expert) {
         for (int k = 0; k < K; ++k) {
@@ -113,7 +119,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
       reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, Hc, in.bias1 ? in.bias1 + t * row_bytes : nullptr,
                    in.bias2 ? in.bias2 + t * row_bytes : nullptr, cx + t * row_bytes);
       if (!expert && cw) {
-        const uint8_t* wbase = my_area + weights_off + static_cast<size_t>(t - t0) * slots * geo.weight_stride;
+        const uint8_t* wbase = win + weights_off + static_cast<size_t>(t - t0) * slots * geo.weight_stride;
         for (int k = 0; k < K; ++k) {
           float p = 0.0f;
           for (int d = 0; d < R; ++d)
@@ -124,8 +130,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
     }
   };
 
-  int64_t reduced = 0;
-  bool open = false;
+  int64_t reduced = 0, opened = 0;
   auto contributors_done = [&](int64_t w) {
     for (int p = 0; p < R; ++p)
       if (hd.tokens_per_rank[p] > 0 && ctx.cell(me, p)->done.load(std::memory_order_acquire) < pack(seq, w + 1))
@@ -135,11 +140,11 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
   ctx.run(
       "data",
       [&](bool& progressed) {
-        if (reduced < my_nwin && !open) {
-          ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
+        if (opened < my_nwin && opened < reduced + halves) {
+          ++opened;
+          ctx.control(me)->combine_open.store(pack(seq, opened), std::memory_order_seq_cst);
           for (int p = 0; p < R; ++p)
             if (hd.tokens_per_rank[p] > 0 && p != me) ctx.transport().notify(p);
-          open = true;
           progressed = true;
         }
         bool all = true;
@@ -155,10 +160,9 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
           }
           all = all && filled[s] == nwin[s];
         }
-        if (open && contributors_done(reduced)) {
+        if (reduced < opened && contributors_done(reduced)) {
           reduce(reduced);
           ++reduced;
-          open = false;
           progressed = true;
         }
         return all && reduced == my_nwin;
@@ -167,7 +171,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
         std::vector<int> peers;
         for (int s = 0; s < R; ++s)
           if (filled[s] < nwin[s] && s != me) peers.push_back(s);
-        if (open)
+        if (reduced < opened)
           for (int p = 0; p < R; ++p)
             if (hd.tokens_per_rank[p] > 0 && p != me && ctx.cell(me, p)->done.load() < pack(seq, reduced + 1) &&
                 std::find(peers.begin(), peers.end(), p) == peers.end())

@@ -4,11 +4,74 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "tensor/half.h"
 
 namespace epcomm::engine {
 
-void copy_row(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+namespace {
+
+#if defined(__x86_64__)
+// Streaming (non-temporal) copies: a dispatched row is not read again soon, so writing around the cache
+// saves the read-for-ownership of every destination line. `dst` is 64-byte aligned; the tail uses memcpy.
+// The trailing sfence orders the streaming stores before the signal that publishes them.
+[[gnu::target("avx512f")]] void copy_stream_avx512(uint8_t* dst, const uint8_t* src, size_t bytes) {
+  size_t i = 0;
+  for (; i + 256 <= bytes; i += 256) {
+    __m512i a = _mm512_loadu_si512(src + i), b = _mm512_loadu_si512(src + i + 64);
+    __m512i c = _mm512_loadu_si512(src + i + 128), d = _mm512_loadu_si512(src + i + 192);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), a);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 64), b);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), c);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), d);
+  }
+  for (; i + 64 <= bytes; i += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+  _mm_sfence();
+  if (i < bytes) std::memcpy(dst + i, src + i, bytes - i);
+}
+
+[[gnu::target("avx2")]] void copy_stream_avx2(uint8_t* dst, const uint8_t* src, size_t bytes) {
+  size_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  _mm_sfence();
+  if (i < bytes) std::memcpy(dst + i, src + i, bytes - i);
+}
+
+using CopyFn = void (*)(uint8_t*, const uint8_t*, size_t);
+CopyFn pick_stream_copy() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return copy_stream_avx512;
+  if (__builtin_cpu_supports("avx2")) return copy_stream_avx2;
+  return nullptr;
+}
+const CopyFn kStreamCopy = pick_stream_copy();
+#endif
+
+constexpr size_t kStreamMin = 2048;  // below this a row stays in cache: plain memcpy
+
+}  // namespace
+
+void copy_row(void* dst, const void* src, size_t bytes) {
+#if defined(__x86_64__)
+  if (kStreamCopy && bytes >= kStreamMin && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+    kStreamCopy(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
 
 void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols, size_t elem) {
   for (int64_t c = 0; c < cols; ++c) std::memcpy(dst + c * elem, base + (t * st0 + c * st1) * elem, elem);
