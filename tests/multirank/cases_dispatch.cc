@@ -53,6 +53,11 @@ MR_CASE("dispatch_random", {}) {
       rt.combine_dtype = DType::f32;
       run_round_trip(ctx, buf, rt);
     }
+    RoundTrip i32;  // int32 top-k ids
+    i32.spec = spec_for(ctx, seed++, 3, 4, 24);
+    i32.order = order;
+    i32.idx32 = true;
+    run_round_trip(ctx, buf, i32);
     RoundTrip bits;  // random bit patterns: NaN, -0 and subnormals arrive byte for byte
     bits.spec = spec_for(ctx, seed++, 2, 2, 33);
     bits.spec.random_bits = true;

@@ -69,6 +69,8 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
 
   // Layout.
   Tensor ti = topk_idx_of(P, r), tw = topk_weights_of(P, r);
+  std::vector<int32_t> ids32(P.ranks[r].topk_idx.begin(), P.ranks[r].topk_idx.end());
+  if (rt.idx32) ti = Tensor::wrap(ids32.data(), DType::i32, {P.ranks[r].num_tokens, K});
   LayoutResult lay = buf.get_dispatch_layout(ti, E);
   RefLayout rl = ref_layout(P, r);
   check_equal(where + " num_tokens_per_rank", tensor_to_i64(lay.num_tokens_per_rank),
@@ -106,6 +108,7 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   check_rows_equal(where + " recv_x", bytes_of(d.recv_x.data), ref.recv_x, row_bytes, P.spec.dtype);
   if (topk) {
     REQUIRE(d.recv_topk_idx && d.recv_topk_weights, "top-k outputs missing");
+    REQUIRE(d.recv_topk_idx->dtype() == ti.dtype(), "recv_topk_idx must keep topk_idx's dtype");
     check_equal(where + " recv_topk_idx", tensor_to_i64(*d.recv_topk_idx), ref.recv_topk_idx, K);
     check_equal(where + " recv_topk_weights", tensor_to_f32(*d.recv_topk_weights), ref.recv_topk_weights, K);
   } else {

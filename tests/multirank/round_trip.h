@@ -18,6 +18,7 @@ struct RoundTrip {
   bool async = false;            // async_finish with previous_event chains
   bool pass_layout = true;       // pass num_tokens_per_rank / is_token_in_rank too
   bool cached = true;            // also run a cached re-dispatch with a new x (other H and dtype)
+  bool idx32 = false;            // pass topk_idx as i32 (recv_topk_idx comes back as i32)
   DType combine_dtype = DType::bf16;
   int64_t combine_hidden = 0;    // 0: same as spec.hidden
 };
