@@ -2,13 +2,14 @@
 #include "engine/kernels.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#include "tensor/half.h"
+#include "epcomm/quant_element.h"
 
 namespace epcomm::engine {
 
@@ -81,18 +82,18 @@ namespace {
 
 struct Bf16 {
   using T = uint16_t;
-  static float load(T v) { return bf16_to_f32(v); }
-  static T store(float f) { return f32_to_bf16(f); }
+  static float load(T v) { return bf16_to_float(v); }
+  static T store(float f) { return to_bf16_bits(f); }
 };
 struct F16 {
   using T = uint16_t;
-  static float load(T v) { return f16_to_f32(v); }
-  static T store(float f) { return f32_to_f16(f); }
+  static float load(T v) { return fp16_to_float(v); }
+  static T store(float f) { return to_fp16_bits(f); }
 };
 struct F32 {
   using T = float;
   static float load(T v) { return v; }
-  static T store(float f) { return f != f ? bits_to_f32(0x7FC00000u) : f; }  // canonical NaN (quant.md §1)
+  static T store(float f) { return f != f ? std::bit_cast<float>(0x7FC00000u) : f; }  // canonical NaN (quant.md §1)
 };
 
 constexpr int64_t kBlock = 256;  // fp32 partial sums of one block stay in registers / L1

@@ -1,12 +1,12 @@
 // tools/epcomm/numerics.cc — seeded random values, dtype conversions and dispatched-row readers.
-// Conversions round to nearest even through tensor/half.h; quantized rows go through quant/row.h.
+// Conversions round to nearest even through epcomm/quant_element.h; quantized rows go through quant/row.h.
 #include "numerics.h"
 
 #include <cstring>
 #include <vector>
 
 #include "quant/row.h"
-#include "tensor/half.h"
+#include "epcomm/quant_element.h"
 
 namespace epcomm::cli {
 
@@ -33,9 +33,9 @@ float RandomStream::uniform(uint64_t index) const {
 float load_elem(DType dtype, const void* base, int64_t i) {
   switch (dtype) {
     case DType::bf16:
-      return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::f16:
-      return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+      return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
     default:
       return static_cast<const float*>(base)[i];
   }
@@ -44,10 +44,10 @@ float load_elem(DType dtype, const void* base, int64_t i) {
 void store_elem(DType dtype, void* base, int64_t i, float v) {
   switch (dtype) {
     case DType::bf16:
-      static_cast<uint16_t*>(base)[i] = f32_to_bf16(v);
+      static_cast<uint16_t*>(base)[i] = to_bf16_bits(v);
       break;
     case DType::f16:
-      static_cast<uint16_t*>(base)[i] = f32_to_f16(v);
+      static_cast<uint16_t*>(base)[i] = to_fp16_bits(v);
       break;
     default:
       static_cast<float*>(base)[i] = v;
@@ -62,9 +62,9 @@ void load_row(DType dtype, const void* row, int64_t n, float* out) {
   }
   const uint16_t* p = static_cast<const uint16_t*>(row);
   if (dtype == DType::bf16)
-    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(p[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[i]);
   else
-    for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(p[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(p[i]);
 }
 
 void store_row(DType dtype, const float* in, int64_t n, void* row) {
@@ -74,14 +74,14 @@ void store_row(DType dtype, const float* in, int64_t n, void* row) {
   }
   uint16_t* p = static_cast<uint16_t*>(row);
   if (dtype == DType::bf16)
-    for (int64_t i = 0; i < n; ++i) p[i] = f32_to_bf16(in[i]);
+    for (int64_t i = 0; i < n; ++i) p[i] = to_bf16_bits(in[i]);
   else
-    for (int64_t i = 0; i < n; ++i) p[i] = f32_to_f16(in[i]);
+    for (int64_t i = 0; i < n; ++i) p[i] = to_fp16_bits(in[i]);
 }
 
 float round_to(DType dtype, float v) {
-  if (dtype == DType::bf16) return bf16_to_f32(f32_to_bf16(v));
-  if (dtype == DType::f16) return f16_to_f32(f32_to_f16(v));
+  if (dtype == DType::bf16) return bf16_to_float(to_bf16_bits(v));
+  if (dtype == DType::f16) return fp16_to_float(to_fp16_bits(v));
   return v;
 }
 
