@@ -1,5 +1,5 @@
 # Shared by scripts/build, scripts/test and scripts/demo. Sourced, not run.
-EPCOMM_PACKAGES="cmake ninja-build g++ libgtest-dev"
+EPCOMM_PACKAGES="cmake ninja-build g++ libgtest-dev libopenmpi-dev openmpi-bin"
 
 ensure_packages() {
   local missing=()

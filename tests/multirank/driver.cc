@@ -13,6 +13,9 @@
 #include <string>
 
 #include "epcomm/launch.h"
+#ifdef EPCOMM_HAVE_MPI
+#include "epcomm/bootstrap_mpi.h"
+#endif
 
 namespace epcomm::testing {
 
@@ -27,7 +30,7 @@ using namespace epcomm;
 using namespace epcomm::testing;
 
 static int usage() {
-  std::cerr << "usage: multirank_tests --case NAME --launcher thread|fork --np N | --list\n";
+  std::cerr << "usage: multirank_tests --case NAME --launcher thread|fork|mpi --np N | --list  (mpi: run under mpirun)\n";
   return 2;
 }
 
@@ -89,6 +92,22 @@ int main(int argc, char** argv) {
     }
     return 0;
   };
+  if (launcher == "mpi") {  // this process is one rank of an mpirun job
+#ifdef EPCOMM_HAVE_MPI
+    int rc = 0;
+    try {
+      rc = fn(make_mpi_bootstrap(std::chrono::seconds(120)));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[mpi] %s\n", e.what());
+      rc = 1;
+    }
+    if (rc == 0) std::printf("PASS %s.mpi\n", name.c_str());
+    return rc;
+#else
+    std::cerr << "skipped: built without MPI\n";
+    return 77;
+#endif
+  }
   LaunchOptions opts;
   opts.timeout = std::chrono::seconds(240);
   auto exits = launcher == "fork" ? launch_local(np, fn, opts) : launch_threads(np, fn, opts);
