@@ -9,7 +9,10 @@
 namespace epcomm::quant {
 
 struct QuantBenchResult {
-  std::string algo;     // spec algorithm name; "<name>.dequant" for the inverse (fp32 out)
+  // Spec algorithm name (with its element format where the spec leaves it open, e.g. "fp8_per_token_e4m3");
+  // "<name>.<variant>" for a non-default option ("smooth", "ue8m0", "rceil"); "<name>.dequant" for the
+  // inverse (fp32 out). `epcomm bench --quantizers` splits names at the first '.'.
+  std::string algo;
   double gbps_bf16_in;  // GB/s (1e9 bytes) of bf16 input, rows * hidden * 2 bytes per pass, one core
 };
 

@@ -9,6 +9,8 @@
 #include "bench_verify.h"
 #include "epcomm/buffer.h"
 #include "numerics.h"
+#include "quant/bench.h"
+#include "quant/block.h"
 #include "rank_tools.h"
 #include "report.h"
 #include "subcommands.h"
@@ -29,17 +31,30 @@ const char* kBenchEpilog =
     "(rank_major) within 2u|expected| and the original weights bitwise.\n\n"
     "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts, dtype, "
     "quant,\n"
-    "launcher, iters, warmup, rows, row_bytes, bytes, time_us_median, time_us_min, time_us_p99, "
-    "time_us_max,\n"
-    "gbps, memcpy_gbps, verified, segment_bytes.\n\n"
+    "launcher, iters, warmup, rows, row_bytes, bytes, bytes_bf16_equiv, time_us_median, time_us_min,\n"
+    "time_us_p99, time_us_max, gbps, gbps_bf16_equiv, memcpy_gbps, verified, segment_bytes.\n\n"
     "Byte formula (aggregate over all ranks, payload only, no per-row metadata):\n"
-    "  dispatch bytes = sum over ranks of received rows (including rows from the rank itself) x row_bytes,\n"
-    "                   row_bytes = H x elem, or the quantized data and scale bytes of a row;\n"
-    "  combine bytes  = sum over ranks of rows sent back (one per received row) x H x elem.\n"
-    "  gbps = bytes / time_us_median / 1e3 (GB/s, 1 GB = 1e9 bytes).\n"
+    "  bytes (dispatch) = sum over ranks of received rows (including rows from the rank itself) x "
+    "row_bytes,\n"
+    "                     row_bytes = H x elem, or with a quantizing --quant the quantized data plus scale\n"
+    "                     bytes of a row: the bytes that actually moved;\n"
+    "  bytes (combine)  = sum over ranks of rows sent back (one per received row) x H x elem.\n"
+    "  bytes_bf16_equiv = the same rows x H x 2: what they would weigh as bf16 (equals bytes for plain "
+    "bf16).\n"
+    "  gbps = bytes / time_us_median / 1e3 (moved bytes; GB/s, 1 GB = 1e9 bytes);\n"
+    "  gbps_bf16_equiv = bytes_bf16_equiv / time_us_median / 1e3 (the rate of useful bf16-valued data).\n"
     "  memcpy_gbps: every rank memcpy's its own tokens (T x H x elem, at least 32 MiB) at the same time\n"
     "  into pre-touched memory; aggregate bytes / the slowest rank's time, median of 5 (the host's copy\n"
     "  rate, for scale).\n\n"
+    "--quantizers: instead of dispatch and combine, the single-thread throughput of every block quantizer\n"
+    "(quant.md §3) and its dequantizer on a --tokens x --hidden bf16 matrix of random values (--hidden a\n"
+    "multiple of 32), best of --iters passes each, one JSON line per algorithm and variant:\n"
+    "  {\"op\": \"quantize\"|\"dequantize\", \"algo\", \"variant\" (default, or smooth|ue8m0|rceil), "
+    "\"hidden\",\n"
+    "   \"rows\", \"iters\", \"gbps_bf16_in\": rows x hidden x 2 bytes / best pass / 1e9, \"threads\": 1}\n"
+    "  (for dequantize the same bf16-equivalent byte count of the elements produced). Target: at least\n"
+    "  1 GB/s of bf16 input per core for every quantize algorithm (quant.md §7); --tokens 4096 --hidden\n"
+    "  7168 is the spec's matrix. Only --tokens, --hidden, --iters and --quiet apply.\n\n"
     "Exit status: 0 when every check passed, 1 when one failed or a runtime error, 2 a usage error.\n";
 
 struct BenchOptions {
@@ -171,6 +186,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<do
     std::vector<double> us = max_over_ranks(per_rank, R, iters);
     for (double& v : us) v *= 1e6;
     const int64_t bytes = op == 0 ? dbytes : cbytes;
+    const int64_t bf16_bytes = rows * ro.hidden * 2;  // the same rows as bf16, whatever moved
     const double med = median(us);
     JsonLine j;
     j.add("op", op == 0 ? "dispatch" : "combine")
@@ -189,11 +205,13 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<do
         .add("row_bytes",
              op == 0 ? ro.dispatch_row_bytes() : ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype)))
         .add("bytes", bytes)
+        .add("bytes_bf16_equiv", bf16_bytes)
         .add("time_us_median", med, 1)
         .add("time_us_min", *std::min_element(us.begin(), us.end()), 1)
         .add("time_us_p99", percentile(us, 0.99), 1)
         .add("time_us_max", *std::max_element(us.begin(), us.end()), 1)
         .add("gbps", med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0, 3)
+        .add("gbps_bf16_equiv", med > 0 ? static_cast<double>(bf16_bytes) / med / 1e3 : 0.0, 3)
         .add("memcpy_gbps", memcpy_gbps, 3)
         .add("verified", verified)
         .add("segment_bytes", segment_bytes);
@@ -241,19 +259,63 @@ int bench_rank(const BenchOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
   return all_ok ? kExitOk : kExitFail;
 }
 
+// `epcomm bench --quantizers`: quant/bench.h on this thread, one JSON line per algorithm and variant.
+int run_quantizer_bench(const FlagParser& p) {
+  for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
+                           "launcher", "timeout", "warmup"})
+    if (p.given(name))
+      throw UsageError(std::string("--quantizers: --") + name +
+                       " does not apply (the quantizer benchmark reads --tokens, --hidden and --iters)");
+  const int64_t rows = p.integer("tokens", 1, int64_t{1} << 24);
+  const int64_t hidden = p.integer("hidden", 1, int64_t{1} << 24);
+  if (hidden % quant::kMxBlock != 0)
+    throw UsageError(bad_value("hidden",
+                               "a multiple of 32 with --quantizers (the MX algorithms need whole blocks)",
+                               std::to_string(hidden)));
+  const int iters = static_cast<int>(p.integer("iters", 1, 1000000));
+  Progress progress("epcomm bench", !p.on("quiet"));
+  progress.phase("quantizers: " + std::to_string(rows) + " x " + std::to_string(hidden) + " bf16, best of " +
+                 std::to_string(iters) + " passes per algorithm, one thread");
+  const std::vector<quant::QuantBenchResult> results = quant::run_quant_benchmark(rows, hidden, iters);
+  progress.phase("done");
+  for (const quant::QuantBenchResult& res : results) {
+    // Names are "<algo>", "<algo>.<variant>" or "<algo>.dequant" (quant/bench.h).
+    const size_t dot = res.algo.find('.');
+    const std::string algo = res.algo.substr(0, dot);
+    const std::string suffix = dot == std::string::npos ? "" : res.algo.substr(dot + 1);
+    const bool dequant = suffix == "dequant";
+    JsonLine j;
+    j.add("op", dequant ? "dequantize" : "quantize")
+        .add("algo", algo)
+        .add("variant", suffix.empty() || dequant ? std::string("default") : suffix)
+        .add("hidden", hidden)
+        .add("rows", rows)
+        .add("iters", iters)
+        .add("gbps_bf16_in", res.gbps_bf16_in, 3)
+        .add("threads", 1);
+    std::printf("%s\n", j.str().c_str());
+  }
+  std::fflush(stdout);
+  return kExitOk;
+}
+
 }  // namespace
 
 int run_bench(int argc, char** argv) {
-  FlagParser p("epcomm bench", "epcomm bench [flags]",
-               "Times dispatch and combine between local ranks; prints one JSON object per line (rank 0,\n"
-               "stdout) for each operation and receive order. Progress lines go to stderr.");
+  FlagParser p(
+      "epcomm bench", "epcomm bench [flags]",
+      "Times dispatch and combine between local ranks; prints one JSON object per line (rank 0,\n"
+      "stdout) for each operation and receive order. Progress lines go to stderr. With --quantizers it\n"
+      "benchmarks the block quantizers instead.");
   add_run_flags(p, {2, 4096, 7168, 256, 8, 20, ""});
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
+  p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
   p.set_epilog(kBenchEpilog);
   if (!p.parse(argc, argv)) {
     std::fputs(p.help().c_str(), stdout);
     return kExitOk;
   }
+  if (p.on("quantizers")) return run_quantizer_bench(p);
   BenchOptions o;
   o.run = read_run_flags(p);
   o.warmup = static_cast<int>(p.integer("warmup", 0, 1000000));

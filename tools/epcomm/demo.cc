@@ -2,6 +2,7 @@
 // experts, combine), checked against a dense single-process reference, with timings and load balance.
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,9 +26,16 @@ const char* kDemoEpilog =
     "  rank_major    each row is one (token, rank); the rank weights its experts' outputs and sums the\n"
     "                experts sharing the row (DeepEP), combine sums the ranks.\n"
     "Rank 0 then computes the whole layer densely in one process and compares element by element.\n\n"
+    "With a quantizing --quant MODE the check's reference quantizes and dequantizes every token the same\n"
+    "way before its experts, so PASS/FAIL stays a check of communication. The report adds a section \"extra\n"
+    "error from quantization\" that the check does not use: the layer runs once more without quantization,\n"
+    "and both outputs and the quantized reference are measured against the UNQUANTIZED dense reference:\n"
+    "max abs, max rel (normwise: max|err| / max|ref|), rms and rel rms (rms(err) / rms(ref)) error, then\n"
+    "the quantized run's errors over the plain run's (what the mode costs).\n\n"
     "Bytes (aggregate over all ranks, payload only, no metadata):\n"
     "  dispatch = received rows (including those from the rank itself) x row bytes (H x elem, or the\n"
-    "             quantized row with its scales);\n"
+    "             quantized row with its scales: the bytes that moved); with --quant also bf16-equivalent\n"
+    "             bytes = received rows x H x 2;\n"
     "  combine  = rows sent back (one per received row) x H x elem.\n"
     "  GB/s = bytes / time / 1e9, time = the slowest rank's, median over --iters.\n\n"
     "Exit status: 0 PASS, 1 FAIL or a runtime error, 2 a bad flag or an argument the library rejected.\n";
@@ -36,9 +44,10 @@ const char* kDemoEpilog =
 enum Count : int { kRecvRows, kRecvBytes, kSentBytes, kSegmentBytes, kNumCounts };
 
 struct RankOutput {
-  std::vector<double> times;        // dispatch [iters], combine [iters], experts
-  std::vector<int64_t> counts;      // Count..., then pairs per local expert [L]
-  std::vector<std::byte> combined;  // [T, H] in the dtype
+  std::vector<double> times;              // dispatch [iters], combine [iters], experts
+  std::vector<int64_t> counts;            // Count..., then pairs per local expert [L]
+  std::vector<std::byte> combined;        // [T, H] in the dtype
+  std::vector<std::byte> plain_combined;  // quantizing modes: the same layer without quantization, [T, H]
 };
 
 // Applies the local experts to the received rows; returns the combine input [n, H] in the dtype.
@@ -145,6 +154,22 @@ RankOutput run_layer(const DemoOptions& o, const std::shared_ptr<Group>& group, 
     if (it == 0) combined = std::move(c);
   }
 
+  if (o.run.quantizes()) {
+    // The same layer once more without quantization, untimed: the baseline of the extra-error report.
+    progress.phase("the same layer without quantization (baseline of the extra error)");
+    DemoOptions plain = o;
+    plain.run.quant.reset();
+    da.quant_mode.reset();
+    DispatchResult pd = buffer.dispatch(da);
+    CombineArgs pca;
+    pca.x = run_experts(plain, r, pd);
+    pca.handle = pd.handle;
+    if (o.order == ReceiveOrder::rank_major) pca.topk_weights = pd.recv_topk_weights;
+    CombineResult pc = buffer.combine(pca);
+    const std::byte* px = pc.combined_x.data_as<std::byte>();
+    out.plain_combined.assign(px, px + pc.combined_x.nbytes());
+  }
+
   const int64_t n = first.recv_x.data.size(0);
   out.counts.assign(kNumCounts, 0);
   out.counts[kRecvRows] = n;
@@ -159,9 +184,48 @@ RankOutput run_layer(const DemoOptions& o, const std::shared_ptr<Group>& group, 
   return out;
 }
 
+// Prints a ratio of two errors ("12.3x"); "-" when the baseline is 0.
+std::string ratio_text(double num, double den) {
+  char buf[32];
+  if (den > 0)
+    std::snprintf(buf, sizeof(buf), "%.3gx", num / den);
+  else
+    std::snprintf(buf, sizeof(buf), "%s", num > 0 ? "inf" : "-");
+  return buf;
+}
+
+// The "extra error from quantization" section: every number against the unquantized dense reference.
+void print_quant_cost(const DemoOptions& o, const QuantCost& q) {
+  const std::string mode = o.run.quant_name();
+  const char* dt = dtype_name(o.run.dtype);
+  std::printf("extra error from quantization (--quant %s; informational, the check below does not use it):\n",
+              mode.c_str());
+  std::printf(
+      "  against      the dense reference WITHOUT quantization (tokens as %s, fp32 weighted sum, rounded\n"
+      "               once to %s); every row below is measured against it\n",
+      dt, dt);
+  std::printf(
+      "  columns      max rel = max|err| / max|ref| (normwise); rms = sqrt(mean(err^2)); "
+      "rel rms = rms / rms(ref)\n");
+  std::printf("  %-22s %12s %12s %12s %12s\n", "", "max abs err", "max rel err", "rms err", "rel rms err");
+  auto row = [](const char* name, const ErrorStats& s, const std::string& what) {
+    std::printf("  %-22s %12.3e %12.3e %12.3e %12.3e   %s\n", name, s.max_abs_err, s.max_rel_err(),
+                s.rms_err(), s.rel_rms_err(), what.c_str());
+  };
+  row("plain run", q.plain, std::string("same layer, ") + dt + " dispatch: rounding only");
+  row("quantized run", q.quantized, "this run (checked below)");
+  row("quantized reference", q.reference, "dense: quantization alone");
+  std::printf("  %-22s %12s %12s %12s %12s   %s\n", "quantized / plain",
+              ratio_text(q.quantized.max_abs_err, q.plain.max_abs_err).c_str(),
+              ratio_text(q.quantized.max_rel_err(), q.plain.max_rel_err()).c_str(),
+              ratio_text(q.quantized.rms_err(), q.plain.rms_err()).c_str(),
+              ratio_text(q.quantized.rel_rms_err(), q.plain.rel_rms_err()).c_str(), "what the mode costs");
+  std::printf("\n");
+}
+
 // The report of rank 0: configuration, timings, load balance and the check. Returns the exit status.
 int report(const DemoOptions& o, const std::vector<double>& times, const std::vector<int64_t>& counts,
-           const CheckResult& check, double reference_s) {
+           const CheckResult& check, double reference_s, const QuantCost* quant_cost) {
   const int R = o.run.ranks, iters = o.run.iters, L = o.run.local_experts();
   const int64_t T = o.run.tokens;
   const size_t per_rank_counts = kNumCounts + static_cast<size_t>(L);
@@ -173,11 +237,12 @@ int report(const DemoOptions& o, const std::vector<double>& times, const std::ve
     combine_t.insert(combine_t.end(), t + iters, t + 2 * iters);
     experts_t.push_back(t[2 * iters]);
   }
-  int64_t dispatch_bytes = 0, combine_bytes = 0;
+  int64_t dispatch_bytes = 0, combine_bytes = 0, recv_rows = 0;
   std::vector<std::pair<std::string, int64_t>> per_rank, per_expert;
   for (int s = 0; s < R; ++s) {
     const int64_t* c = counts.data() + s * per_rank_counts;
     dispatch_bytes += c[kRecvBytes];
+    recv_rows += c[kRecvRows];
     combine_bytes += c[kSentBytes];
     per_rank.emplace_back("rank " + std::to_string(s), c[kRecvRows]);
   }
@@ -223,6 +288,12 @@ int report(const DemoOptions& o, const std::vector<double>& times, const std::ve
   std::printf("  dispatch     %-12s %12s  %7.2f GB/s   received rows incl. local, all ranks\n",
               format_seconds(td).c_str(), format_bytes(static_cast<double>(dispatch_bytes)).c_str(),
               static_cast<double>(dispatch_bytes) / td / 1e9);
+  if (o.run.quantizes()) {
+    const double bf16_bytes = static_cast<double>(recv_rows) * static_cast<double>(o.run.hidden) * 2.0;
+    std::printf(
+        "   bf16 equiv  %-12s %12s  %7.2f GB/s   the same rows counted as H x 2 bytes (above: moved)\n", "",
+        format_bytes(bf16_bytes).c_str(), bf16_bytes / td / 1e9);
+  }
   std::printf("  combine      %-12s %12s  %7.2f GB/s   rows sent back, all ranks\n",
               format_seconds(tc).c_str(), format_bytes(static_cast<double>(combine_bytes)).c_str(),
               static_cast<double>(combine_bytes) / tc / 1e9);
@@ -236,8 +307,16 @@ int report(const DemoOptions& o, const std::vector<double>& times, const std::ve
                           .c_str());
   std::printf("%s\n", bar_chart("(token, expert) pairs per expert", per_expert).c_str());
 
-  std::printf("check against the dense single-process reference (fp32 weighted sum, rounded once to %s):\n",
-              dtype_name(o.run.dtype));
+  if (quant_cost) print_quant_cost(o, *quant_cost);
+
+  if (o.run.quantizes())
+    std::printf(
+        "check against the dense single-process reference WITH the same quantization (each token quantized\n"
+        "and dequantized with %s before its experts; fp32 weighted sum, rounded once to %s):\n",
+        o.run.quant_name().c_str(), dtype_name(o.run.dtype));
+  else
+    std::printf("check against the dense single-process reference (fp32 weighted sum, rounded once to %s):\n",
+                dtype_name(o.run.dtype));
   std::printf("  tolerance    %s\n", tolerance_formula(o).c_str());
   std::printf("  elements     %lld, outside tolerance %lld\n", static_cast<long long>(check.elements),
               static_cast<long long>(check.failures));
@@ -264,12 +343,18 @@ int demo_rank(const DemoOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
   auto times = all_gather_values(bs, out.times);
   auto counts = all_gather_values(bs, out.counts);
   auto combined = all_gather_values(bs, out.combined);
+  std::vector<std::byte> plain_combined;
+  if (o.run.quantizes()) plain_combined = all_gather_values(bs, out.plain_combined);
   if (r != 0) return kExitOk;
   const double t0 = now_s();
-  CheckResult check = check_against_reference(o, combined, progress);
+  std::vector<float> reference;
+  CheckResult check =
+      check_against_reference(o, combined, progress, o.run.quantizes() ? &reference : nullptr);
   const double reference_s = now_s() - t0;
+  std::optional<QuantCost> cost;
+  if (o.run.quantizes()) cost = quantization_cost(o, combined, plain_combined, reference, progress);
   progress.phase("done");
-  return report(o, times, counts, check, reference_s);
+  return report(o, times, counts, check, reference_s, cost ? &*cost : nullptr);
 }
 
 }  // namespace

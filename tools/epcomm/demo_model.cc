@@ -91,7 +91,7 @@ Dense dense_reference(const DemoOptions& o) {
 }  // namespace
 
 CheckResult check_against_reference(const DemoOptions& o, const std::vector<std::byte>& combined,
-                                    Progress& progress) {
+                                    Progress& progress, std::vector<float>* reference) {
   progress.phase("reference: every token through its top-k experts in one process");
   Dense d = dense_reference(o);
   progress.phase("comparing");
@@ -117,7 +117,52 @@ CheckResult check_against_reference(const DemoOptions& o, const std::vector<std:
     }
     if (!(err <= c.max_abs_err)) c.max_abs_err = std::isnan(err) ? INFINITY : err;
   }
+  if (reference) {
+    reference->resize(d.acc.size());
+    for (size_t i = 0; i < d.acc.size(); ++i) (*reference)[i] = round_to(dt, d.acc[i]);
+  }
   return c;
+}
+
+double ErrorStats::rms_err() const {
+  return elements > 0 ? std::sqrt(sum_sq_err / static_cast<double>(elements)) : 0.0;
+}
+
+double ErrorStats::rel_rms_err() const {
+  return sum_sq_ref > 0 ? std::sqrt(sum_sq_err / sum_sq_ref) : 0.0;
+}
+
+namespace {
+
+// Accumulates the error of value `got` against `ref` (both exact in fp32), element by element.
+void accumulate(ErrorStats& s, double got, double ref) {
+  double err = std::fabs(got - ref);
+  if (std::isnan(err)) err = INFINITY;
+  ++s.elements;
+  s.max_abs_err = std::max(s.max_abs_err, err);
+  s.max_abs_ref = std::max(s.max_abs_ref, std::fabs(ref));
+  s.sum_sq_err += err * err;
+  s.sum_sq_ref += ref * ref;
+}
+
+}  // namespace
+
+QuantCost quantization_cost(const DemoOptions& o, const std::vector<std::byte>& quantized,
+                            const std::vector<std::byte>& plain, const std::vector<float>& quant_reference,
+                            Progress& progress) {
+  progress.phase("reference without quantization, for the extra error of --quant");
+  DemoOptions unquantized = o;
+  unquantized.run.quant.reset();
+  const Dense d = dense_reference(unquantized);
+  const DType dt = o.run.dtype;
+  QuantCost q;
+  for (size_t i = 0; i < d.acc.size(); ++i) {
+    const double ref = round_to(dt, d.acc[i]);
+    accumulate(q.plain, load_elem(dt, plain.data(), static_cast<int64_t>(i)), ref);
+    accumulate(q.quantized, load_elem(dt, quantized.data(), static_cast<int64_t>(i)), ref);
+    accumulate(q.reference, quant_reference[i], ref);
+  }
+  return q;
 }
 
 }  // namespace epcomm::cli

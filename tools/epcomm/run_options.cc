@@ -39,7 +39,7 @@ std::optional<QuantMode> parse_quant(const FlagParser& p) {
 }  // namespace
 
 int64_t RunOptions::dispatch_row_bytes() const {
-  if (quant && *quant != QuantMode::bf16)
+  if (quantizes())
     return static_cast<int64_t>(quant::row_data_bytes(*quant, hidden) +
                                 quant::row_scale_bytes(*quant, hidden));
   return hidden * static_cast<int64_t>(dtype_size(dtype));
