@@ -359,9 +359,9 @@ EPCOMM_QUANT_INLINE void int8_group8_combine(R r, int64_t n, int8_t* q, uint16_t
       float s32 = f32_from_bits(m[g]) * k_inv127();
       uint32_t sb = f32_bits(s32);
       bool bad = m[g] >= kInfBits || sb == 0;
-      uint16_t sg = static_cast<uint16_t>(quant_detail::select(m[g] >= kInfBits, D::kNan, 0));
-      sigma[c0 / 8 + g] = static_cast<uint16_t>(quant_detail::select(bad, sg, D::round(s32)));
-      float d = f32_from_bits(quant_detail::select(bad, kInfBits, sb));
+      uint16_t sg = static_cast<uint16_t>(quant_detail::pick(m[g] >= kInfBits, D::kNan, 0));
+      sigma[c0 / 8 + g] = static_cast<uint16_t>(quant_detail::pick(bad, sg, D::round(s32)));
+      float d = f32_from_bits(quant_detail::pick(bad, kInfBits, sb));
       for (int64_t j = 0; j < 8; ++j) div[8 * g + j] = d;
     }
     for (int64_t i = 0; i < kChunk; ++i) q[c0 + i] = int8_sat(v[i] / div[i], -127, 127);
