@@ -28,12 +28,13 @@ namespace epcomm::quant::kernels {
 inline constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 inline constexpr uint32_t kInfBits = 0x7F800000u;
 
+// fp32(1/127) and fp32(1e-4) (quant.md §1), as bits so no compiler rounding is involved.
 EPCOMM_QUANT_INLINE float k_inv127() {
   return f32_from_bits(0x3C010204u);
-}  // fp32(1/127)
+}
 EPCOMM_QUANT_INLINE float k_eps_1e4() {
   return f32_from_bits(0x38D1B717u);
-}  // fp32(1e-4)
+}
 
 // ---- input rows: xf_i = fp32(x_i) ⊗ c_i ----
 
