@@ -302,7 +302,7 @@ EPCOMM_QUANT_INLINE float decode_hif8(uint8_t c) {
 
 // ---- int8 (quant.md §2.7) ----
 
-// clamp(RNE_int(v), lo, hi) with NaN -> 0, for integers lo <= 0 <= hi with |lo|, |hi| < 2^22.
+// clamp(RNE_int(v), lo, hi) with NaN -> 0, for integer bounds -128 <= lo <= 0 <= hi <= 127.
 EPCOMM_QUANT_INLINE int8_t int8_sat(float v, int32_t lo, int32_t hi) {
   using quant_detail::pick;
   uint32_t u = quant_detail::bits(v);
