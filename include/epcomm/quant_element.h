@@ -35,7 +35,7 @@ EPCOMM_QUANT_INLINE float from_bits(uint32_t u) {
 }
 // c ? a : b through a mask. Written as arithmetic so that GCC keeps loops branch-free even when an operand
 // comes from a floating-point operation it must not speculate under -ftrapping-math (the default).
-EPCOMM_QUANT_INLINE uint32_t select(bool c, uint32_t a, uint32_t b) {
+EPCOMM_QUANT_INLINE uint32_t pick(bool c, uint32_t a, uint32_t b) {
   uint32_t m = 0u - static_cast<uint32_t>(c);
   return (a & m) | (b & ~m);
 }
@@ -150,7 +150,7 @@ EPCOMM_QUANT_INLINE float bf16_to_float(uint16_t b) {
 
 // fp32 -> IEEE binary16 bits, RNE with gradual underflow; |x| >= 65520 and ±Inf give ±Inf; NaN gives 0x7E00.
 EPCOMM_QUANT_INLINE uint16_t to_fp16_bits(float f) {
-  using quant_detail::select;
+  using quant_detail::pick;
   uint32_t u = quant_detail::bits(f);
   uint32_t a = u & 0x7FFFFFFFu;
   uint32_t sign = (u >> 16) & 0x8000u;
@@ -158,10 +158,10 @@ EPCOMM_QUANT_INLINE uint16_t to_fp16_bits(float f) {
   uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
   // Below 2^-14: the binary32 adder rounds |x| to a multiple of 2^-24 exactly (0.5 has ulp 2^-24).
   uint32_t sub = quant_detail::bits(quant_detail::from_bits(a) + 0.5f) - 0x3F000000u;
-  uint32_t r = select(a < 0x38800000u, sub, normal);
-  r = select(a >= 0x477FF000u, 0x7C00u, r);
+  uint32_t r = pick(a < 0x38800000u, sub, normal);
+  r = pick(a >= 0x477FF000u, 0x7C00u, r);
   r |= sign;
-  return static_cast<uint16_t>(select(a > 0x7F800000u, 0x7E00u, r));
+  return static_cast<uint16_t>(pick(a > 0x7F800000u, 0x7E00u, r));
 }
 EPCOMM_QUANT_INLINE uint16_t float_to_fp16(float f) {
   return to_fp16_bits(f);
@@ -172,7 +172,7 @@ EPCOMM_QUANT_INLINE float fp16_to_float(uint16_t h) {
   uint32_t m = static_cast<uint32_t>(h & 0x7FFFu) << 13;
   // Scaling by 2^112 rebiases normals and normalizes subnormals exactly.
   uint32_t finite = quant_detail::bits(quant_detail::from_bits(m) * 0x1p112f);
-  uint32_t r = quant_detail::select((h & 0x7C00u) == 0x7C00u, m | 0x7F800000u, finite);
+  uint32_t r = quant_detail::pick((h & 0x7C00u) == 0x7C00u, m | 0x7F800000u, finite);
   return quant_detail::from_bits(r | sign);
 }
 
@@ -186,10 +186,10 @@ EPCOMM_QUANT_INLINE uint8_t encode_e4m3(float f, Saturation s = Saturation::sat)
   uint32_t normal = (a - 0x3C000000u + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
   // Below 2^-6: 16384 has ulp 2^-9, the subnormal step, so the adder performs the RNE.
   uint32_t sub = quant_detail::bits(quant_detail::from_bits(a) + 16384.0f) - 0x46800000u;
-  uint32_t r = quant_detail::select(a < 0x3C800000u, sub, normal);
-  r = quant_detail::select(a > 0x43E80000u, s == Saturation::sat ? 0x7Eu : 0x7Fu, r);
+  uint32_t r = quant_detail::pick(a < 0x3C800000u, sub, normal);
+  r = quant_detail::pick(a > 0x43E80000u, s == Saturation::sat ? 0x7Eu : 0x7Fu, r);
   r |= (u >> 24) & 0x80u;
-  return static_cast<uint8_t>(quant_detail::select(a > 0x7F800000u, 0x7Fu, r));
+  return static_cast<uint8_t>(quant_detail::pick(a > 0x7F800000u, 0x7Fu, r));
 }
 // e4m3 code -> exact fp32; 0x7F/0xFF give 0x7FC00000.
 EPCOMM_QUANT_INLINE float decode_e4m3(uint8_t c) {
@@ -204,10 +204,10 @@ EPCOMM_QUANT_INLINE uint8_t encode_e5m2(float f, Saturation s = Saturation::sat)
   uint32_t normal = (a - 0x38000000u + 0xFFFFFu + ((a >> 21) & 1u)) >> 21;
   // Below 2^-14: 128 has ulp 2^-16, the subnormal step.
   uint32_t sub = quant_detail::bits(quant_detail::from_bits(a) + 128.0f) - 0x43000000u;
-  uint32_t r = quant_detail::select(a < 0x38800000u, sub, normal);
-  r = quant_detail::select(a >= 0x47700000u, s == Saturation::sat ? 0x7Bu : 0x7Cu, r);
+  uint32_t r = quant_detail::pick(a < 0x38800000u, sub, normal);
+  r = quant_detail::pick(a >= 0x47700000u, s == Saturation::sat ? 0x7Bu : 0x7Cu, r);
   r |= (u >> 24) & 0x80u;
-  return static_cast<uint8_t>(quant_detail::select(a > 0x7F800000u, 0x7Eu, r));
+  return static_cast<uint8_t>(quant_detail::pick(a > 0x7F800000u, 0x7Eu, r));
 }
 // e5m2 code -> exact fp32 (±Inf kept); NaN codes give 0x7FC00000.
 EPCOMM_QUANT_INLINE float decode_e5m2(uint8_t c) {
@@ -268,7 +268,7 @@ EPCOMM_QUANT_INLINE uint8_t e8m0_ceil(float t) {
 // fp32 -> hif8 code, rounding half away from zero. NaN gives 0x80; |x| < 2^-23 gives 0x00 (no −0);
 // |x| >= 40960 and ±Inf give ±Inf (0x6F/0xEF), or ±32768 (0x6E/0xEE) with Saturation::sat.
 EPCOMM_QUANT_INLINE uint8_t encode_hif8(float f, Saturation s = Saturation::nosat) {
-  using quant_detail::select;
+  using quant_detail::pick;
   uint32_t u = quant_detail::bits(f);
   uint32_t a = u & 0x7FFFFFFFu;
   // Fraction bits n kept at this exponent: 3 for |e| <= 3, 2 for 4..7, 1 for 8..15, 0 for e <= -16. As masks
@@ -276,24 +276,24 @@ EPCOMM_QUANT_INLINE uint8_t encode_hif8(float f, Saturation s = Saturation::nosa
   // and a carry bumps the exponent (leaving a zero fraction). Constants instead of shifts by n keep SSE2
   // happy.
   uint32_t ea = a >> 23;  // biased exponent
-  uint32_t half = select(
-      ea <= 111u, 1u << 22,
-      select(ea <= 119u || ea >= 135u, 1u << 21, select(ea <= 123u || ea >= 131u, 1u << 20, 1u << 19)));
+  uint32_t half =
+      pick(ea <= 111u, 1u << 22,
+           pick(ea <= 119u || ea >= 135u, 1u << 21, pick(ea <= 123u || ea >= 131u, 1u << 20, 1u << 19)));
   uint32_t r = (a + half) & ~(2 * half - 1);
   int32_t e2 = static_cast<int32_t>(r >> 23) - 127;
   uint32_t neg = static_cast<uint32_t>(e2 < 0);
   uint32_t ae2 = static_cast<uint32_t>(e2 < 0 ? -e2 : e2);
   uint32_t f1 = (r >> 22) & 1u, f2 = (r >> 21) & 3u, f3 = (r >> 20) & 7u;  // zero after a carry
-  uint32_t code = select(ae2 == 1u, 0x10u | (neg << 3) | f3, 0x08u | f3);
-  code = select(ae2 >= 2u, 0x20u | (neg << 4) | ((ae2 - 2) << 3) | f3, code);
-  code = select(ae2 >= 4u, 0x40u | (neg << 4) | ((ae2 - 4) << 2) | f2, code);
-  code = select(ae2 >= 8u, 0x60u | (neg << 4) | ((ae2 - 8) << 1) | f1, code);
-  code = select(e2 <= -16, static_cast<uint32_t>(e2 + 23), code);  // denormals 2^(k-23)
-  code = select(a < 0x34800000u, 1u, code);                        // 2^-23 <= |x| < 2^-22 (rule 3)
-  code = select(a >= 0x47200000u, s == Saturation::sat ? 0x6Eu : 0x6Fu, code);
+  uint32_t code = pick(ae2 == 1u, 0x10u | (neg << 3) | f3, 0x08u | f3);
+  code = pick(ae2 >= 2u, 0x20u | (neg << 4) | ((ae2 - 2) << 3) | f3, code);
+  code = pick(ae2 >= 4u, 0x40u | (neg << 4) | ((ae2 - 4) << 2) | f2, code);
+  code = pick(ae2 >= 8u, 0x60u | (neg << 4) | ((ae2 - 8) << 1) | f1, code);
+  code = pick(e2 <= -16, static_cast<uint32_t>(e2 + 23), code);  // denormals 2^(k-23)
+  code = pick(a < 0x34800000u, 1u, code);                        // 2^-23 <= |x| < 2^-22 (rule 3)
+  code = pick(a >= 0x47200000u, s == Saturation::sat ? 0x6Eu : 0x6Fu, code);
   code |= (u >> 24) & 0x80u;
-  code = select(a < 0x34000000u, 0u, code);  // below 2^-23, ±0 and fp32 subnormals: unsigned zero
-  return static_cast<uint8_t>(select(a > 0x7F800000u, 0x80u, code));
+  code = pick(a < 0x34000000u, 0u, code);  // below 2^-23, ±0 and fp32 subnormals: unsigned zero
+  return static_cast<uint8_t>(pick(a > 0x7F800000u, 0x80u, code));
 }
 // hif8 code -> exact fp32: 0x6F/0xEF give ±Inf, 0x80 gives 0x7FC00000.
 EPCOMM_QUANT_INLINE float decode_hif8(uint8_t c) {
@@ -302,9 +302,9 @@ EPCOMM_QUANT_INLINE float decode_hif8(uint8_t c) {
 
 // ---- int8 (quant.md §2.7) ----
 
-// clamp(RNE_int(v), lo, hi) with NaN -> 0, for integers lo <= 0 <= hi with |lo|, |hi| < 2^22.
+// clamp(RNE_int(v), lo, hi) with NaN -> 0, for integer bounds -128 <= lo <= 0 <= hi <= 127.
 EPCOMM_QUANT_INLINE int8_t int8_sat(float v, int32_t lo, int32_t hi) {
-  using quant_detail::select;
+  using quant_detail::pick;
   uint32_t u = quant_detail::bits(v);
   uint32_t a = u & 0x7FFFFFFFu;
   // Clamp on the bit patterns (monotone in |v|): no floating-point compare, so no branch. Clamping before
@@ -312,8 +312,8 @@ EPCOMM_QUANT_INLINE int8_t int8_sat(float v, int32_t lo, int32_t hi) {
   uint32_t lo_bits = quant_detail::bits(static_cast<float>(lo));
   uint32_t hi_bits = quant_detail::bits(static_cast<float>(hi));
   uint32_t bound = (u >> 31) ? lo_bits : hi_bits;
-  uint32_t c = select(a > (bound & 0x7FFFFFFFu), bound, u);
-  c = select(a > 0x7F800000u, 0u, c);
+  uint32_t c = pick(a > (bound & 0x7FFFFFFFu), bound, u);
+  c = pick(a > 0x7F800000u, 0u, c);
   // 1.5 * 2^23 has ulp 1: the adder rounds c to an integer (ties to even) held in the low significand bits.
   int32_t q = static_cast<int32_t>(quant_detail::bits(quant_detail::from_bits(c) + 12582912.0f)) - 0x4B400000;
   return static_cast<int8_t>(q);

@@ -30,8 +30,6 @@ std::vector<QuantBenchResult> run_quant_benchmark(int64_t rows, int64_t hidden, 
   EPCOMM_CHECK_GT(rows, 0, "rows must be positive");
   EPCOMM_CHECK_GT(hidden, 0, "hidden must be positive");
   EPCOMM_CHECK_GT(iters, 0, "iters must be positive");
-  EPCOMM_CHECK(hidden % 32 == 0,
-               "hidden: the benchmark runs MX, which needs hidden % 32 == 0 (hidden = ", hidden, ")");
   const size_t n = static_cast<size_t>(rows * hidden);
   const int64_t H = hidden;
   std::vector<uint16_t> x(n);
@@ -86,6 +84,7 @@ std::vector<QuantBenchResult> run_quant_benchmark(int64_t rows, int64_t hidden, 
   const std::pair<MxElem, const char*> mx[] = {
       {MxElem::e4m3, "mxfp8_e4m3"}, {MxElem::e5m2, "mxfp8_e5m2"}, {MxElem::e2m1, "mxfp4_e2m1"}};
   for (auto [e, name] : mx) {
+    if (e == MxElem::e2m1 && H % 2 != 0) continue;  // f4x2 packs pairs
     auto codes_of = [&, e = e](int64_t r) { return e == MxElem::e2m1 ? codes.data() + r * H / 2 : cr(r); };
     add(name, [&, e = e](int64_t r) {
       mx_quantize(e, ScaleRule::floor, bf, xr(r), H, codes_of(r), &bscales[r * B]);

@@ -2,6 +2,7 @@
 #include "quant/block.h"
 
 #include <cstring>
+#include <type_traits>
 
 #include "common/check.h"
 #include "quant/kernels.h"
@@ -186,23 +187,43 @@ EPCOMM_QUANT_CLONES void dequant_fp8_per_group128(Fp8Format fmt, const uint8_t* 
 
 EPCOMM_QUANT_CLONES void dequant_mx(MxElem elem, const uint8_t* codes, const uint8_t* scales, int64_t n,
                                     float* out) {
-  for (int64_t b = 0, g = 0; b < n; b += 32, ++g) {
-    int64_t e = b + 32 < n ? b + 32 : n;
-    float s = e8m0_decode(scales[g]);
-    switch (elem) {
-      case MxElem::e4m3:
-        for (int64_t i = b; i < e; ++i) out[i] = decode_e4m3(codes[i]) * s;
-        break;
-      case MxElem::e5m2:
-        for (int64_t i = b; i < e; ++i) out[i] = decode_e5m2(codes[i]) * s;
-        break;
-      case MxElem::e2m1:
-        for (int64_t i = b; i < e; ++i) {
-          uint8_t byte = codes[i / 2];
-          out[i] = decode_e2m1((i & 1) ? f4x2_high(byte) : f4x2_low(byte)) * s;
+  auto run = [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
+    using F = decltype(f);
+    constexpr bool kFp4 = std::is_same_v<F, E2m1>;
+    // Whole chunks of 8 blocks: spread the scales over a buffer so the loop is one long vectorizable pass.
+    int64_t c0 = 0;
+    for (; c0 + 256 <= n; c0 += 256) {
+      alignas(64) float sx[256];
+      for (int64_t b = 0; b < 8; ++b) {
+        float s = e8m0_decode(scales[c0 / 32 + b]);
+        for (int64_t j = 0; j < 32; ++j) sx[32 * b + j] = s;
+      }
+      if constexpr (kFp4) {
+        for (int64_t j = 0; j < 128; ++j) {
+          uint8_t byte = codes[c0 / 2 + j];
+          out[c0 + 2 * j] = F::decode(f4x2_low(byte)) * sx[2 * j];
+          out[c0 + 2 * j + 1] = F::decode(f4x2_high(byte)) * sx[2 * j + 1];
         }
-        break;
+      } else {
+        for (int64_t i = 0; i < 256; ++i) out[c0 + i] = F::decode(codes[c0 + i]) * sx[i];
+      }
     }
+    for (int64_t i = c0; i < n; ++i) {
+      float s = e8m0_decode(scales[i / 32]);
+      uint8_t c = kFp4 ? ((i & 1) ? f4x2_high(codes[i / 2]) : f4x2_low(codes[i / 2])) : codes[i];
+      out[i] = F::decode(c) * s;
+    }
+  };
+  switch (elem) {
+    case MxElem::e4m3:
+      run(E4m3{});
+      return;
+    case MxElem::e5m2:
+      run(E5m2{});
+      return;
+    case MxElem::e2m1:
+      run(E2m1{});
+      return;
   }
 }
 

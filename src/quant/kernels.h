@@ -28,12 +28,13 @@ namespace epcomm::quant::kernels {
 inline constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 inline constexpr uint32_t kInfBits = 0x7F800000u;
 
+// fp32(1/127) and fp32(1e-4) (quant.md §1), as bits so no compiler rounding is involved.
 EPCOMM_QUANT_INLINE float k_inv127() {
   return f32_from_bits(0x3C010204u);
-}  // fp32(1/127)
+}
 EPCOMM_QUANT_INLINE float k_eps_1e4() {
   return f32_from_bits(0x38D1B717u);
-}  // fp32(1e-4)
+}
 
 // ---- input rows: xf_i = fp32(x_i) ⊗ c_i ----
 
@@ -215,6 +216,17 @@ EPCOMM_QUANT_INLINE void fp8_per_group128(R r, int64_t n, uint8_t* codes, void* 
 
 // ---- §3.3 MX ----
 
+// The scale byte of one finite block from its amax bits (exponent field > 0).
+template <class F, bool kRceil>
+EPCOMM_QUANT_INLINE uint8_t mx_scale(uint32_t m) {
+  if constexpr (kRceil) {
+    return e8m0_ceil(f32_from_bits(m) * F::inv_max());
+  } else {
+    int32_t v = static_cast<int32_t>(m >> 23) - F::kEmax;
+    return static_cast<uint8_t>(v < 0 ? 0 : v);
+  }
+}
+
 template <class F, bool kRceil, class R>
 EPCOMM_QUANT_INLINE uint8_t mx_block(R r, int64_t b, int64_t e, uint8_t* codes) {
   uint32_t m = amax_bits(r, b, e);
@@ -226,29 +238,60 @@ EPCOMM_QUANT_INLINE uint8_t mx_block(R r, int64_t b, int64_t e, uint8_t* codes) 
     fill<uint8_t>(codes, b, e, 0);
     return 0x00;
   }
-  uint8_t s;
-  if constexpr (kRceil) {
-    s = e8m0_ceil(f32_from_bits(m) * F::inv_max());
-  } else {
-    int32_t v = static_cast<int32_t>(m >> 23) - F::kEmax;
-    s = static_cast<uint8_t>(v < 0 ? 0 : v);
-  }
+  uint8_t s = mx_scale<F, kRceil>(m);
   float mul = e8m0_reciprocal(s);
   for (int64_t i = b; i < e; ++i) codes[i] = F::encode(r(i) * mul);
   return s;
 }
 
+// Blocks of 32 are short, so eight of them (256 elements) are quantized together: widen, take eight maxima,
+// spread each block's multiplier and code mask over the chunk, then one long encode loop. A non-finite block
+// multiplies by NaN (which encodes to the NaN code), a block with exponent field 0 masks its codes to 0x00.
+// `out` receives one code byte per element (e2m1 codes unpacked).
+template <class F, bool kRceil, class R>
+EPCOMM_QUANT_INLINE void mx_chunk(R r, int64_t c0, uint8_t* out, uint8_t* scales) {
+  constexpr int64_t kBlocks = 8, kChunk = 32 * kBlocks;
+  alignas(64) float v[kChunk], mul[kChunk];
+  alignas(64) uint8_t keep[kChunk];
+  uint32_t m[kBlocks];
+  for (int64_t i = 0; i < kChunk; ++i) v[i] = r(c0 + i);
+  for (int64_t b = 0; b < kBlocks; ++b) {
+    uint32_t mm = 0;
+    for (int64_t j = 0; j < 32; ++j) {
+      uint32_t a = f32_bits(v[32 * b + j]) & kAbsMask;
+      mm = a > mm ? a : mm;
+    }
+    m[b] = mm;
+  }
+  for (int64_t b = 0; b < kBlocks; ++b) {
+    bool nonfinite = m[b] >= kInfBits, tiny = (m[b] >> 23) == 0;
+    uint8_t s = nonfinite ? 0xFF : tiny ? 0x00 : mx_scale<F, kRceil>(m[b]);
+    scales[b] = s;
+    float mb = nonfinite ? f32_from_bits(kF32Nan) : e8m0_reciprocal(s);
+    uint8_t kb = tiny ? 0x00 : 0xFF;
+    for (int64_t j = 0; j < 32; ++j) mul[32 * b + j] = mb, keep[32 * b + j] = kb;
+  }
+  for (int64_t i = 0; i < kChunk; ++i) out[i] = F::encode(v[i] * mul[i]) & keep[i];
+}
+
 template <class F, bool kRceil, class R>
 EPCOMM_QUANT_INLINE void mx_quantize(R r, int64_t n, uint8_t* codes, uint8_t* scales) {
-  for (int64_t b = 0, g = 0; b < n; b += 32, ++g)
+  int64_t b = 0;
+  for (; b + 256 <= n; b += 256) mx_chunk<F, kRceil>(r, b, codes + b, scales + b / 32);
+  for (int64_t g = b / 32; b < n; b += 32, ++g)
     scales[g] = mx_block<F, kRceil>(r, b, b + 32 < n ? b + 32 : n, codes);
 }
 
-// e2m1: codes of each block go through a small buffer and are packed two per byte.
+// e2m1: codes go through a buffer and are packed two per byte.
 template <bool kRceil, class R>
 EPCOMM_QUANT_INLINE void mxfp4_quantize(R r, int64_t n, uint8_t* packed, uint8_t* scales) {
-  alignas(64) uint8_t tmp[32];
-  for (int64_t b = 0, g = 0; b < n; b += 32, ++g) {
+  alignas(64) uint8_t tmp[256];
+  int64_t b = 0;
+  for (; b + 256 <= n; b += 256) {
+    mx_chunk<E2m1, kRceil>(r, b, tmp, scales + b / 32);
+    for (int64_t j = 0; j < 128; ++j) packed[b / 2 + j] = pack_f4x2(tmp[2 * j], tmp[2 * j + 1]);
+  }
+  for (int64_t g = b / 32; b < n; b += 32, ++g) {
     int64_t len = b + 32 < n ? 32 : n - b;
     // Shift the row so that mx_block writes tmp[0..len).
     auto shifted = [r, b](int64_t i) EPCOMM_QUANT_LAMBDA_INLINE { return r(i + b); };
@@ -317,9 +360,9 @@ EPCOMM_QUANT_INLINE void int8_group8_combine(R r, int64_t n, int8_t* q, uint16_t
       float s32 = f32_from_bits(m[g]) * k_inv127();
       uint32_t sb = f32_bits(s32);
       bool bad = m[g] >= kInfBits || sb == 0;
-      uint16_t sg = static_cast<uint16_t>(quant_detail::select(m[g] >= kInfBits, D::kNan, 0));
-      sigma[c0 / 8 + g] = static_cast<uint16_t>(quant_detail::select(bad, sg, D::round(s32)));
-      float d = f32_from_bits(quant_detail::select(bad, kInfBits, sb));
+      uint16_t sg = static_cast<uint16_t>(quant_detail::pick(m[g] >= kInfBits, D::kNan, 0));
+      sigma[c0 / 8 + g] = static_cast<uint16_t>(quant_detail::pick(bad, sg, D::round(s32)));
+      float d = f32_from_bits(quant_detail::pick(bad, kInfBits, sb));
       for (int64_t j = 0; j < 8; ++j) div[8 * g + j] = d;
     }
     for (int64_t i = 0; i < kChunk; ++i) q[c0 + i] = int8_sat(v[i] / div[i], -127, 127);

@@ -61,7 +61,7 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
 
 // ---- row.h ----
 
-TEST(QuantRowApi, ByteSizesFollowNormalModeTable) {
+TEST(quant_row_api, ByteSizesFollowNormalModeTable) {
   const int64_t H = 7168;
   EXPECT_EQ(q::row_data_bytes(QuantMode::bf16, H), 2u * H);
   EXPECT_EQ(q::row_scale_bytes(QuantMode::bf16, H), 0u);
@@ -77,7 +77,7 @@ TEST(QuantRowApi, ByteSizesFollowNormalModeTable) {
   EXPECT_EQ(q::row_scale_bytes(QuantMode::mx_fp4_e2m1, H), H / 32u);
 }
 
-TEST(QuantRowApi, Dtypes) {
+TEST(quant_row_api, Dtypes) {
   EXPECT_EQ(q::data_dtype(QuantMode::bf16), DType::bf16);
   EXPECT_EQ(q::data_dtype(QuantMode::int8), DType::i8);
   EXPECT_EQ(q::scale_dtype(QuantMode::int8), DType::f32);
@@ -89,7 +89,7 @@ TEST(QuantRowApi, Dtypes) {
   EXPECT_EQ(q::scale_dtype(QuantMode::mx_fp4_e2m1), DType::e8m0);
 }
 
-TEST(QuantRowApi, CheckHidden) {
+TEST(quant_row_api, CheckHidden) {
   for (QuantMode m : kAllModes) {
     EXPECT_NO_THROW(q::check_hidden(m, 7168));
     EXPECT_NE(invalid_usage([&] { q::check_hidden(m, 0); }).find("hidden"), std::string::npos);
@@ -106,7 +106,7 @@ TEST(QuantRowApi, CheckHidden) {
 }
 
 // quantize_row writes exactly what the named block algorithm writes, into records at any byte offset.
-TEST(QuantRowApi, QuantizeRowMatchesBlockAlgorithmsUnaligned) {
+TEST(quant_row_api, QuantizeRowMatchesBlockAlgorithmsUnaligned) {
   const int64_t H = 160;
   Tensor x = random_bf16(1, H, 3);
   const void* xp = x.data();
@@ -176,7 +176,7 @@ TEST(QuantRowApi, QuantizeRowMatchesBlockAlgorithmsUnaligned) {
 
 // ---- public tensor API ----
 
-TEST(QuantTensorApi, ShapesAndDtypes) {
+TEST(quant_tensor_api, ShapesAndDtypes) {
   const int64_t T = 3, H = 256;
   Tensor x = random_bf16(T, H, 1);
   struct Want {
@@ -215,7 +215,7 @@ TEST(QuantTensorApi, ShapesAndDtypes) {
 
 // Tensor results equal the row functions, bf16/f16 outputs are the RNE of the fp32 dequantization, and the
 // thread count never changes a byte.
-TEST(QuantTensorApi, MatchesRowsAndIsThreadInvariant) {
+TEST(quant_tensor_api, MatchesRowsAndIsThreadInvariant) {
   const int64_t T = 37, H = 7168;
   Tensor x = random_bf16(T, H, 2);
   for (QuantMode m : kQuantModes) {
@@ -241,7 +241,7 @@ TEST(QuantTensorApi, MatchesRowsAndIsThreadInvariant) {
   }
 }
 
-TEST(QuantTensorApi, InputDtypesStridesAndOneDimensionalRows) {
+TEST(quant_tensor_api, InputDtypesStridesAndOneDimensionalRows) {
   const int64_t T = 4, H = 128;
   Tensor xb = random_bf16(T, H, 4);
   Tensor xf = epcomm::empty(DType::f32, {T, H});
@@ -283,7 +283,7 @@ TEST(QuantTensorApi, InputDtypesStridesAndOneDimensionalRows) {
   EXPECT_EQ(epcomm::dequantize(zd, zs, QuantMode::int8).shape(), (Shape{0, H}));
 }
 
-TEST(QuantTensorApi, ErrorMessages) {
+TEST(quant_tensor_api, ErrorMessages) {
   Tensor x = random_bf16(2, 64, 5);
   auto has = [](const std::string& msg, std::initializer_list<const char*> parts) {
     for (const char* p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
@@ -328,7 +328,7 @@ TEST(QuantTensorApi, ErrorMessages) {
 }
 
 // The documented example of docs/quant.md.
-TEST(QuantTensorApi, DocExample) {
+TEST(quant_tensor_api, DocExample) {
   Tensor x = epcomm::empty(DType::bf16, {2, 64});
   auto value = [](int i) { return 0.5f * static_cast<float>(i % 16 - 8); };  // exact in e4m3 after scaling
   for (int i = 0; i < 128; ++i) x.data_as<uint16_t>()[i] = epcomm::to_bf16_bits(value(i));

@@ -200,10 +200,10 @@ void int8_per_token_test(bool a3) {
   }
 }
 
-TEST(QuantBlocks, Int8PerTokenA3) {
+TEST(quant_blocks, Int8PerTokenA3) {
   int8_per_token_test(true);
 }
-TEST(QuantBlocks, Int8PerToken950) {
+TEST(quant_blocks, Int8PerToken950) {
   int8_per_token_test(false);
 }
 
@@ -275,10 +275,10 @@ void fp8_per_token_test(Fp8Format fmt) {
   }
 }
 
-TEST(QuantBlocks, Fp8PerTokenE4m3) {
+TEST(quant_blocks, Fp8PerTokenE4m3) {
   fp8_per_token_test(Fp8Format::e4m3);
 }
-TEST(QuantBlocks, Fp8PerTokenE5m2) {
+TEST(quant_blocks, Fp8PerTokenE5m2) {
   fp8_per_token_test(Fp8Format::e5m2);
 }
 
@@ -344,25 +344,25 @@ void fp8_group_test(Fp8Format fmt, int variant) {  // 0 plain, 1 pow2, 2 pow2 + 
   }
 }
 
-TEST(QuantBlocks, Fp8PerGroup128E4m3) {
+TEST(quant_blocks, Fp8PerGroup128E4m3) {
   fp8_group_test(Fp8Format::e4m3, 0);
 }
-TEST(QuantBlocks, Fp8PerGroup128E4m3Pow2) {
+TEST(quant_blocks, Fp8PerGroup128E4m3Pow2) {
   fp8_group_test(Fp8Format::e4m3, 1);
 }
-TEST(QuantBlocks, Fp8PerGroup128E4m3Ue8m0) {
+TEST(quant_blocks, Fp8PerGroup128E4m3Ue8m0) {
   fp8_group_test(Fp8Format::e4m3, 2);
 }
-TEST(QuantBlocks, Fp8PerGroup128E5m2) {
+TEST(quant_blocks, Fp8PerGroup128E5m2) {
   fp8_group_test(Fp8Format::e5m2, 0);
 }
-TEST(QuantBlocks, Fp8PerGroup128E5m2Pow2) {
+TEST(quant_blocks, Fp8PerGroup128E5m2Pow2) {
   fp8_group_test(Fp8Format::e5m2, 1);
 }
-TEST(QuantBlocks, Fp8PerGroup128A3E4m3) {
+TEST(quant_blocks, Fp8PerGroup128A3E4m3) {
   fp8_group_test(Fp8Format::e4m3, 3);
 }
-TEST(QuantBlocks, Fp8PerGroup128A3E5m2) {
+TEST(quant_blocks, Fp8PerGroup128A3E5m2) {
   fp8_group_test(Fp8Format::e5m2, 3);
 }
 
@@ -427,22 +427,22 @@ void mx_test(MxElem el, ScaleRule rule) {
   }
 }
 
-TEST(QuantBlocks, MxFp8E4m3Floor) {
+TEST(quant_blocks, MxFp8E4m3Floor) {
   mx_test(MxElem::e4m3, ScaleRule::floor);
 }
-TEST(QuantBlocks, MxFp8E4m3Rceil) {
+TEST(quant_blocks, MxFp8E4m3Rceil) {
   mx_test(MxElem::e4m3, ScaleRule::rceil);
 }
-TEST(QuantBlocks, MxFp8E5m2Floor) {
+TEST(quant_blocks, MxFp8E5m2Floor) {
   mx_test(MxElem::e5m2, ScaleRule::floor);
 }
-TEST(QuantBlocks, MxFp8E5m2Rceil) {
+TEST(quant_blocks, MxFp8E5m2Rceil) {
   mx_test(MxElem::e5m2, ScaleRule::rceil);
 }
-TEST(QuantBlocks, MxFp4E2m1Floor) {
+TEST(quant_blocks, MxFp4E2m1Floor) {
   mx_test(MxElem::e2m1, ScaleRule::floor);
 }
-TEST(QuantBlocks, MxFp4E2m1Rceil) {
+TEST(quant_blocks, MxFp4E2m1Rceil) {
   mx_test(MxElem::e2m1, ScaleRule::rceil);
 }
 
@@ -459,7 +459,7 @@ float pow2_toward(const std::vector<float>& xf, int target) {
   return std::ldexp(1.0f, std::clamp(target - ex, -126, 127));
 }
 
-TEST(QuantBlocks, Int8Static) {
+TEST(quant_blocks, Int8Static) {
   Failures f{"int8_static"};
   const auto& all = rows();
   for (size_t ri = 0; ri < all.size(); ++ri) {
@@ -480,7 +480,7 @@ TEST(QuantBlocks, Int8Static) {
   }
 }
 
-TEST(QuantBlocks, Hif8Static) {
+TEST(quant_blocks, Hif8Static) {
   Failures f{"hif8_static"};
   const auto& all = rows();
   for (size_t ri = 0; ri < all.size(); ++ri) {
@@ -512,7 +512,7 @@ TEST(QuantBlocks, Hif8Static) {
 
 // Every per-token/per-group algorithm with vector and scalar smoothing and with f32/f16 input, against the
 // reference on the short rows.
-TEST(QuantBlocks, SmoothingAndInputDtypes) {
+TEST(quant_blocks, SmoothingAndInputDtypes) {
   Failures f{"smoothing/dtypes"};
   const auto& all = rows();
   Rng rng{77};
@@ -630,17 +630,17 @@ void group8_test(bool bf16) {
   }
 }
 
-TEST(QuantBlocks, Int8Group8CombineBf16) {
+TEST(quant_blocks, Int8Group8CombineBf16) {
   group8_test(true);
 }
-TEST(QuantBlocks, Int8Group8CombineF16) {
+TEST(quant_blocks, Int8Group8CombineF16) {
   group8_test(false);
 }
 
 // ---- non-finite and degenerate units at every position (H = 136: two groups, five blocks, partial tails)
 // ----
 
-TEST(QuantBlocks, SpecialValuesAtEveryPosition) {
+TEST(quant_blocks, SpecialValuesAtEveryPosition) {
   const int64_t H = 136;
   Rng rng{5};
   std::vector<float> base(H);

@@ -59,53 +59,53 @@ void check_all(const char* name, const std::function<uint32_t(float)>& lib,
   EXPECT_EQ(bad, 0) << name << ": mismatches";
 }
 
-TEST(QuantElements, ExhaustiveBf16) {
+TEST(quant_elements, ExhaustiveBf16) {
   check_all(
       "to_bf16", [](float x) { return q::to_bf16_bits(x); }, [](float x) { return ref::enc_bf16(x); });
 }
-TEST(QuantElements, ExhaustiveFp16) {
+TEST(quant_elements, ExhaustiveFp16) {
   check_all(
       "to_fp16", [](float x) { return q::to_fp16_bits(x); }, [](float x) { return ref::enc_fp16(x); });
 }
-TEST(QuantElements, ExhaustiveE4m3Sat) {
+TEST(quant_elements, ExhaustiveE4m3Sat) {
   check_all(
       "e4m3 sat", [](float x) { return q::encode_e4m3(x, Saturation::sat); },
       [](float x) { return ref::enc_e4m3(x, true); });
 }
-TEST(QuantElements, ExhaustiveE4m3Nosat) {
+TEST(quant_elements, ExhaustiveE4m3Nosat) {
   check_all(
       "e4m3 nosat", [](float x) { return q::encode_e4m3(x, Saturation::nosat); },
       [](float x) { return ref::enc_e4m3(x, false); });
 }
-TEST(QuantElements, ExhaustiveE5m2Sat) {
+TEST(quant_elements, ExhaustiveE5m2Sat) {
   check_all(
       "e5m2 sat", [](float x) { return q::encode_e5m2(x, Saturation::sat); },
       [](float x) { return ref::enc_e5m2(x, true); });
 }
-TEST(QuantElements, ExhaustiveE5m2Nosat) {
+TEST(quant_elements, ExhaustiveE5m2Nosat) {
   check_all(
       "e5m2 nosat", [](float x) { return q::encode_e5m2(x, Saturation::nosat); },
       [](float x) { return ref::enc_e5m2(x, false); });
 }
-TEST(QuantElements, ExhaustiveE2m1) {
+TEST(quant_elements, ExhaustiveE2m1) {
   check_all(
       "e2m1", [](float x) { return q::encode_e2m1(x); }, [](float x) { return ref::enc_e2m1(x); });
 }
-TEST(QuantElements, ExhaustiveHif8Default) {
+TEST(quant_elements, ExhaustiveHif8Default) {
   check_all(
       "hif8", [](float x) { return q::encode_hif8(x); }, [](float x) { return ref::enc_hif8(x, false); });
 }
-TEST(QuantElements, ExhaustiveHif8Sat) {
+TEST(quant_elements, ExhaustiveHif8Sat) {
   check_all(
       "hif8 sat", [](float x) { return q::encode_hif8(x, Saturation::sat); },
       [](float x) { return ref::enc_hif8(x, true); });
 }
-TEST(QuantElements, ExhaustiveE8m0Ceil) {
+TEST(quant_elements, ExhaustiveE8m0Ceil) {
   // Defined for t >= 0; the library reads |t|.
   check_all(
       "e8m0_ceil", [](float x) { return q::e8m0_ceil(x); }, [](float x) { return ref::e8m0_ceil(x); });
 }
-TEST(QuantElements, ExhaustiveInt8Sat) {
+TEST(quant_elements, ExhaustiveInt8Sat) {
   for (auto [lo, hi] : {std::pair{-127, 127}, std::pair{-128, 127}}) {
     check_all(
         "int8_sat",
@@ -136,7 +136,7 @@ void check_decode(const char* name, int ncodes, const std::function<float(uint32
   }
 }
 
-TEST(QuantElements, DecodeAllCodes) {
+TEST(quant_elements, DecodeAllCodes) {
   check_decode(
       "e4m3", 256, [](uint32_t c) { return q::decode_e4m3(static_cast<uint8_t>(c)); },
       [](uint32_t c) { return ref::dec_e4m3(static_cast<uint8_t>(c)); });
@@ -154,7 +154,7 @@ TEST(QuantElements, DecodeAllCodes) {
       [](uint32_t c) { return ref::dec_e2m1(static_cast<uint8_t>(c)); });
 }
 
-TEST(QuantElements, WidenAllBf16AndFp16) {
+TEST(quant_elements, WidenAllBf16AndFp16) {
   for (uint32_t c = 0; c < 65536; ++c) {
     double wb = ref::dec_bf16(static_cast<uint16_t>(c)), wh = ref::dec_fp16(static_cast<uint16_t>(c));
     float gb = q::bf16_to_float(static_cast<uint16_t>(c)), gh = q::fp16_to_float(static_cast<uint16_t>(c));
@@ -175,7 +175,7 @@ TEST(QuantElements, WidenAllBf16AndFp16) {
   }
 }
 
-TEST(QuantElements, EveryCodeReencodesToItself) {
+TEST(quant_elements, EveryCodeReencodesToItself) {
   for (int c = 0; c < 256; ++c) {
     auto b = static_cast<uint8_t>(c);
     uint8_t e4 = q::encode_e4m3(q::decode_e4m3(b), Saturation::nosat);
@@ -192,7 +192,7 @@ TEST(QuantElements, EveryCodeReencodesToItself) {
   EXPECT_EQ(q::e8m0_ceil(q::e8m0_decode(0xFF)), 0xFF);
 }
 
-TEST(QuantElements, E8m0Reciprocal) {
+TEST(quant_elements, E8m0Reciprocal) {
   for (int s = 0; s < 255; ++s) {
     auto b = static_cast<uint8_t>(s);
     EXPECT_EQ(static_cast<double>(q::e8m0_reciprocal(b)), std::ldexp(1.0, 127 - s)) << s;
@@ -203,7 +203,7 @@ TEST(QuantElements, E8m0Reciprocal) {
   EXPECT_EQ(ref::fbits(q::e8m0_reciprocal(0xFF)), 0x7FC00000u);
 }
 
-TEST(QuantElements, F4x2Packing) {
+TEST(quant_elements, F4x2Packing) {
   for (int lo = 0; lo < 16; ++lo)
     for (int hi = 0; hi < 16; ++hi) {
       uint8_t b = q::pack_f4x2(static_cast<uint8_t>(lo), static_cast<uint8_t>(hi));
@@ -215,7 +215,7 @@ TEST(QuantElements, F4x2Packing) {
 
 // ---- §6.3 monotonicity ----
 
-TEST(QuantElements, Monotone) {
+TEST(quant_elements, Monotone) {
   std::vector<float> xs;
   for (uint32_t u : exhaustive_inputs()) {
     float x = ref::ffrom(u);
@@ -248,7 +248,7 @@ TEST(QuantElements, Monotone) {
 
 // ---- opt-in: the full 2^32 sweep of to_bf16 / to_fp16 (EPCOMM_QUANT_LONG_TESTS=1) ----
 
-TEST(QuantElements, FullSweepBf16Fp16Long) {
+TEST(quant_elements, FullSweepBf16Fp16Long) {
   const char* env = std::getenv("EPCOMM_QUANT_LONG_TESTS");
   if (!env || std::string(env) != "1") GTEST_SKIP() << "set EPCOMM_QUANT_LONG_TESTS=1 to run the 2^32 sweep";
   uint64_t bad = 0;

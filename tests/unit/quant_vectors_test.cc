@@ -33,7 +33,7 @@ uint32_t B(float f) {
 
 // ---- §1 constants ----
 
-TEST(QuantVectors, F_Constants) {
+TEST(quant_vectors, F_Constants) {
   EXPECT_EQ(B(1.0f / 127.0f), 0x3C010204u);
   EXPECT_EQ(B(1.0f / 448.0f), 0x3B124925u);
   EXPECT_EQ(B(1.0f / 57344.0f), 0x37924925u);
@@ -47,23 +47,23 @@ struct Pair {
   uint32_t in, out;
 };
 
-TEST(QuantVectors, I_Bf16) {
+TEST(quant_vectors, I_Bf16) {
   const Pair v[] = {{0x3f808000, 0x3f80}, {0x3f818000, 0x3f82}, {0x3f808001, 0x3f81}, {0x43eff333, 0x43f0},
                     {0x7f7fffff, 0x7f80}, {0x007fffff, 0x0080}, {0x00000001, 0x0000}};
   for (auto [in, out] : v) EXPECT_EQ(q::to_bf16_bits(F(in)), out) << std::hex << in;
 }
-TEST(QuantVectors, F_Bf16Nan) {
+TEST(quant_vectors, F_Bf16Nan) {
   EXPECT_EQ(q::to_bf16_bits(F(0xffc00001)), 0x7fc0);
 }
 
-TEST(QuantVectors, I_Fp16) {
+TEST(quant_vectors, I_Fp16) {
   const Pair v[] = {{0x3f800000, 0x3c00}, {0x3f801000, 0x3c00}, {0x3f803000, 0x3c02}, {0x3f801001, 0x3c01},
                     {0x3dcccccd, 0x2e66}, {0x477fe000, 0x7bff}, {0x477fefff, 0x7bff}, {0x477ff000, 0x7c00},
                     {0x7f7fffff, 0x7c00}, {0xff800000, 0xfc00}, {0x80000000, 0x8000}, {0x33800000, 0x0001},
                     {0x33000000, 0x0000}, {0x33400000, 0x0001}, {0x387fc000, 0x03ff}};
   for (auto [in, out] : v) EXPECT_EQ(q::to_fp16_bits(F(in)), out) << std::hex << in;
 }
-TEST(QuantVectors, F_Fp16Nan) {
+TEST(quant_vectors, F_Fp16Nan) {
   EXPECT_EQ(q::to_fp16_bits(F(0x7fc00000)), 0x7e00);
   EXPECT_EQ(q::to_fp16_bits(F(0xffc00001)), 0x7e00);
 }
@@ -108,7 +108,7 @@ const ElemRow kElemRows[] = {
     {0xff800000, 0xFF, 0xff, 0xFF, 0xfc, 0xf, 0xef},
 };
 
-TEST(QuantVectors, I_ElementTable) {
+TEST(quant_vectors, I_ElementTable) {
   for (const auto& r : kElemRows) {
     float x = F(r.in);
     SCOPED_TRACE(testing::Message() << std::hex << "input 0x" << r.in);
@@ -128,7 +128,7 @@ TEST(QuantVectors, I_ElementTable) {
 }
 
 // Cells marked * (OFP8/NVIDIA satfinite) and the fp4 NaN policy.
-TEST(QuantVectors, F_ElementTableSatInfAndFp4Nan) {
+TEST(quant_vectors, F_ElementTableSatInfAndFp4Nan) {
   EXPECT_EQ(q::encode_e4m3(F(0x7f800000), Saturation::sat), 0x7e);
   EXPECT_EQ(q::encode_e4m3(F(0xff800000), Saturation::sat), 0xfe);
   EXPECT_EQ(q::encode_e5m2(F(0x7f800000), Saturation::sat), 0x7b);
@@ -139,7 +139,7 @@ TEST(QuantVectors, F_ElementTableSatInfAndFp4Nan) {
 
 // ---- §2.5 e8m0 ----
 
-TEST(QuantVectors, F_E8m0) {
+TEST(quant_vectors, F_E8m0) {
   const Pair dec[] = {
       {0x00, 0x00400000}, {0x01, 0x00800000}, {0x7F, 0x3F800000}, {0xFE, 0x7F000000}, {0xFF, 0x7FC00000}};
   for (auto [s, bits] : dec) EXPECT_EQ(B(q::e8m0_decode(static_cast<uint8_t>(s))), bits) << s;
@@ -154,7 +154,7 @@ TEST(QuantVectors, F_E8m0) {
 
 // ---- §2.6 HiFloat8 ----
 
-TEST(QuantVectors, G_Hif8) {
+TEST(quant_vectors, G_Hif8) {
   const Pair v[] = {{0x3638c290, 0x04}, {0x358b4f67, 0x03}, {0x3f48849e, 0x1d}, {0x3cfdc7cd, 0x54},
                     {0x3e2040ed, 0x3a}, {0x43411383, 0x4e}, {0x438e0e21, 0x60}, {0x42356389, 0x46},
                     {0x43b308db, 0x61}, {0x4686c7e7, 0x6c}, {0x46e1ca4a, 0x6e}, {0x453d6d1b, 0x67},
@@ -164,7 +164,7 @@ TEST(QuantVectors, G_Hif8) {
   for (auto [in, out] : h) EXPECT_EQ(q::encode_hif8(q::fp16_to_float(static_cast<uint16_t>(in))), out) << in;
 }
 
-TEST(QuantVectors, I_Hif8) {
+TEST(quant_vectors, I_Hif8) {
   const Pair v[] = {{0x3f800000, 0x08}, {0x3f880000, 0x09}, {0x3fe00000, 0x0e}, {0x3f000000, 0x18},
                     {0x40000000, 0x10}, {0x40800000, 0x20}, {0x41700000, 0x2f}, {0x41800000, 0x40},
                     {0x41880000, 0x40}, {0x42c80000, 0x4a}, {0x437f0000, 0x60}, {0x447a0000, 0x64},
@@ -174,7 +174,7 @@ TEST(QuantVectors, I_Hif8) {
   for (auto [in, out] : v) EXPECT_EQ(q::encode_hif8(F(in)), out) << std::hex << in;
 }
 
-TEST(QuantVectors, F_Hif8) {
+TEST(quant_vectors, F_Hif8) {
   EXPECT_EQ(q::encode_hif8(F(0x00000001)), 0x00);
   EXPECT_EQ(q::encode_hif8(F(0x807fffff)), 0x00);
   EXPECT_EQ(q::encode_hif8(F(0x47200000), Saturation::sat), 0x6e);
@@ -232,7 +232,7 @@ std::vector<Int8Row> int8_rows() {
   };
 }
 
-TEST(QuantVectors, F_Int8PerToken) {
+TEST(quant_vectors, F_Int8PerToken) {
   for (const auto& r : int8_rows()) {
     const int64_t n = static_cast<int64_t>(r.x.size());
     std::vector<int8_t> qa(r.x.size()), qb(r.x.size());
@@ -250,7 +250,7 @@ TEST(QuantVectors, F_Int8PerToken) {
 }
 
 // Row T: element 7 is an exact tie whose error is 0.500004 * scale (why the §4 bound is not scale/2).
-TEST(QuantVectors, F_Int8RowTBound) {
+TEST(quant_vectors, F_Int8RowTBound) {
   auto r = int8_rows()[4];
   std::vector<int8_t> qv(8);
   float s;
@@ -273,7 +273,7 @@ void expect_codes(const std::vector<uint8_t>& got, size_t off, const std::vector
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[off + i], want[i]) << "code " << off + i;
 }
 
-TEST(QuantVectors, F_Fp8PerToken) {
+TEST(quant_vectors, F_Fp8PerToken) {
   struct Case {
     Fp8Format f;
     std::vector<float> x;
@@ -298,7 +298,7 @@ TEST(QuantVectors, F_Fp8PerToken) {
   }
 }
 
-TEST(QuantVectors, F_Fp8PerGroup128A3) {
+TEST(quant_vectors, F_Fp8PerGroup128A3) {
   std::vector<float> x = r1();
   x.resize(128, 0.0f);
   for (float v : r2()) x.push_back(v);
@@ -313,7 +313,7 @@ TEST(QuantVectors, F_Fp8PerGroup128A3) {
   expect_codes(codes, 128, {0x6c, 0xfa, 0xdc, 0xf8, 0x7d, 0xfe, 0xf6, 0xf7});
 }
 
-TEST(QuantVectors, F_Fp8PerGroup128) {
+TEST(quant_vectors, F_Fp8PerGroup128) {
   std::vector<float> x = r1();
   x.resize(128, 0.0f);
   // A second, all-zero group with signed zeros: its codes are the signed zeros.
@@ -394,11 +394,11 @@ void run_mx(const MxCase& c) {
   }
 }
 
-TEST(QuantVectors, G_MxAscendDocExample) {
+TEST(quant_vectors, G_MxAscendDocExample) {
   run_mx({"[0,8,64,512]", {0, 8, 64, 512}, MxElem::e4m3, 3, 0x80, {0x00, 0x48, 0x60, 0x78}});
 }
 
-TEST(QuantVectors, I_MxBlocks) {
+TEST(quant_vectors, I_MxBlocks) {
   const MxCase cases[] = {
       {"448..", {448, -1, 0.5, 3.1415926f}, MxElem::e4m3, 3, 0x7f, {0x7e, 0xb8, 0x30, 0x45}},
       {"500 e4m3", {500, -250, 1, -0.001f}, MxElem::e4m3, 1, 0x7f, {0x7e, 0xf8, 0x38, 0x81}},
@@ -418,7 +418,7 @@ TEST(QuantVectors, I_MxBlocks) {
   for (const auto& c : cases) run_mx(c);
 }
 
-TEST(QuantVectors, F_MxSpecialBlocks) {
+TEST(quant_vectors, F_MxSpecialBlocks) {
   const float nan = F(0x7fc00000), inf = F(0x7f800000);
   const MxCase cases[] = {
       {"zeros", {0.0f, -0.0f}, MxElem::e4m3, 3, 0x00, {0x00, 0x00}},
@@ -430,7 +430,7 @@ TEST(QuantVectors, F_MxSpecialBlocks) {
   for (const auto& c : cases) run_mx(c);
 }
 
-TEST(QuantVectors, I_MxRowC) {
+TEST(quant_vectors, I_MxRowC) {
   const uint32_t bits[32] = {
       0xc0da3d71, 0xc0cc28f6, 0xc0be147b, 0xc0b00000, 0xc0a1eb85, 0xc093d70a, 0xc085c28f, 0xc06f5c29,
       0xc0533333, 0xc0370a3d, 0xc01ae148, 0xbffd70a4, 0xbfc51eb8, 0xbf8ccccd, 0xbf28f5c3, 0xbe6147ae,
@@ -455,7 +455,7 @@ TEST(QuantVectors, I_MxRowC) {
           {0xdd, 0xdd, 0xcd, 0xcc, 0xbb, 0xaa, 0x9a, 0x89, 0x10, 0x21, 0x22, 0x33, 0x44, 0x54, 0x55, 0x55}});
 }
 
-TEST(QuantVectors, I_MxRowD) {
+TEST(quant_vectors, I_MxRowD) {
   const uint32_t bits[16] = {0xc3f10000, 0xc3d2e000, 0xc3710000, 0x42710000, 0x43f10000, 0x00000000,
                              0xc3b4c000, 0x43d2e000, 0x4396a000, 0x4396a000, 0x43d2e000, 0xc3b4c000,
                              0x00000000, 0x43f10000, 0x42710000, 0xc3710000};
