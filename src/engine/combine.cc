@@ -76,6 +76,10 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
   const int32_t* src_slot = hd.recv_src_slot.data_as<int32_t>();
   std::vector<int64_t> pos(hd.source_offsets.begin(), hd.source_offsets.end() - 1);
   uint8_t* my_area = ctx.data(me);
+  // Own contributions, per half and slot: pointers into x (and the receiving-side weights) instead of copies.
+  const int64_t WL = std::max<int64_t>(1, std::min(W, T));  // a window never holds more than T tokens
+  std::vector<const uint8_t*> local_rows(static_cast<size_t>(halves) * WL * slots, nullptr);
+  std::vector<const float*> local_weights(static_cast<size_t>(halves) * WL * slots, nullptr);
   const size_t weights_off = static_cast<size_t>(W) * slots * geo.row_stride;
 
   // Contributor: write the copies of origin s's tokens in window w into s's slots.
@@ -89,8 +93,14 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
       if (t >= t1) break;
       const int slot = expert ? src_slot[row] : me;
       const size_t idx = static_cast<size_t>(t - t0) * slots + slot;
-      copy_row(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
-      if (wbytes) std::memcpy(area + weights_off + idx * geo.weight_stride, in.recv_weights + row * K, wbytes);
+      if (s == me) {  // own copies are read in place by the reduction: no copy
+        const size_t l = static_cast<size_t>(w % halves) * WL * slots + idx;
+        local_rows[l] = in.x + row * row_bytes;
+        if (wbytes) local_weights[l] = in.recv_weights + row * K;
+      } else {
+        copy_row(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
+        if (wbytes) std::memcpy(area + weights_off + idx * geo.weight_stride, in.recv_weights + row * K, wbytes);
+      }
       ++pos[s];
     }
   };
@@ -103,31 +113,43 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
   auto reduce = [&](int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(T, t0 + W);
     const uint8_t* win = my_area + static_cast<size_t>(w % halves) * area_bytes;
+    const uint8_t** lrow = local_rows.data() + static_cast<size_t>(w % halves) * WL * slots;
+    const float** lw = local_weights.data() + static_cast<size_t>(w % halves) * WL * slots;
+    // The copy of slot `slot` of token t: our own expert output in place, or a peer's in the window.
+    auto copy_of = [&](int64_t t, int slot) -> const uint8_t* {
+      const size_t idx = static_cast<size_t>(t - t0) * slots + slot;
+      return lrow[idx] ? lrow[idx] : win + idx * geo.row_stride;
+    };
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* base = win + static_cast<size_t>(t - t0) * slots * geo.row_stride;
       int n = 0;
       if (expert) {
         for (int k = 0; k < K; ++k) {
           if (hd.topk_ids[t * K + k] < 0) continue;
-          rows_ptr[n] = base + k * geo.row_stride;
+          rows_ptr[n] = copy_of(t, k);
           wts[n++] = in.weights_used[t * K + k];
         }
       } else {
         for (int d = 0; d < R; ++d)
-          if (hd.in_rank[t * R + d]) rows_ptr[n++] = base + d * geo.row_stride;
+          if (hd.in_rank[t * R + d]) rows_ptr[n++] = copy_of(t, d);
       }
       reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, Hc, in.bias1 ? in.bias1 + t * row_bytes : nullptr,
                    in.bias2 ? in.bias2 + t * row_bytes : nullptr, cx + t * row_bytes);
       if (!expert && cw) {
-        const uint8_t* wbase = win + weights_off + static_cast<size_t>(t - t0) * slots * geo.weight_stride;
+        const size_t first = static_cast<size_t>(t - t0) * slots;
         for (int k = 0; k < K; ++k) {
           float p = 0.0f;
-          for (int d = 0; d < R; ++d)
-            if (hd.in_rank[t * R + d]) p = p + reinterpret_cast<const float*>(wbase + d * geo.weight_stride)[k];
+          for (int d = 0; d < R; ++d) {
+            if (!hd.in_rank[t * R + d]) continue;
+            const float* g = lw[first + d] ? lw[first + d]
+                                           : reinterpret_cast<const float*>(win + weights_off + (first + d) * geo.weight_stride);
+            p = p + g[k];
+          }
           cw[t * K + k] = 0.0f + p;
         }
       }
     }
+    std::fill(lrow, lrow + static_cast<size_t>(WL) * slots, nullptr);  // the next window in this half starts empty
+    std::fill(lw, lw + static_cast<size_t>(WL) * slots, nullptr);
   };
 
   int64_t reduced = 0, opened = 0;
