@@ -110,6 +110,7 @@ Tensor from_torch(const at::Tensor& t, const char* what, const std::optional<std
   }
   Shape shape(t.sizes().begin(), t.sizes().end());
   Shape strides(t.strides().begin(), t.strides().end());
+  if (t.numel() == 0) strides.clear();  // torch calls any empty tensor contiguous; so does epcomm then
   return Tensor::wrap(t.data_ptr(), d, std::move(shape), std::move(strides), own(t));
 }
 

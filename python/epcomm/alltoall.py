@@ -71,6 +71,11 @@ def _check_contiguous(t, name):
         _arg(f"{name}: must be contiguous (shape {_shape(t)}, strides [{', '.join(map(str, t.stride()))}])")
 
 
+def _view(t, dtype):
+    """Reinterprets a slice of uint8 records as dtype (a fresh contiguous copy: slices may start at any byte)."""
+    return t.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
 def _row_bytes(t, rows):
     """The bytes of a tensor whose first dimension has `rows` rows, as [rows, bytes per row] uint8. The width
     comes from the trailing dimensions, so it is right for 0 rows too (records of every rank agree)."""
@@ -192,11 +197,11 @@ def _payload(x):
 def _split_payload(f, rows_bytes):
     """[n, row_bytes] uint8 -> (data, data format, scales or None, scale format or None) tensors."""
     n = int(rows_bytes.shape[0])
-    data = rows_bytes[:, : f.data_row_bytes].contiguous().view(TORCH_OF.get(f.data_name, torch.uint8))
+    data = _view(rows_bytes[:, : f.data_row_bytes], TORCH_OF.get(f.data_name, torch.uint8))
     data = data.reshape(n, f.data_cols)
     if not f.scale_row_bytes:
         return data, f.data_name, None, None
-    scales = rows_bytes[:, f.data_row_bytes:].contiguous().view(TORCH_OF.get(f.scale_name, torch.uint8))
+    scales = _view(rows_bytes[:, f.data_row_bytes:], TORCH_OF.get(f.scale_name, torch.uint8))
     shape = {"vec": [n], "mat": [n, f.scale_cols], "flat": [n * f.scale_cols]}[f.scale_shape]
     return data, f.data_name, scales.reshape(shape), f.scale_name
 
@@ -607,10 +612,10 @@ class AllToAllStrategy:
             if recv_splits else torch.empty(0, dtype=torch.int32)
         rb = f.row_bytes
         meta_in = incoming[:, rb:]
-        in_t = meta_in[:, 0:4].contiguous().view(torch.int32).reshape(-1)
+        in_t = _view(meta_in[:, 0:4], torch.int32).reshape(-1)
         if order == "expert_major":
-            in_k = meta_in[:, 4:8].contiguous().view(torch.int32).reshape(-1)
-            in_w = meta_in[:, 8:12].contiguous().view(torch.float32).reshape(-1)
+            in_k = _view(meta_in[:, 4:8], torch.int32).reshape(-1)
+            in_w = _view(meta_in[:, 8:12], torch.float32).reshape(-1)
             recv_pos = torch.empty(len(in_t), dtype=torch.int64)
             recv_j = torch.empty(len(in_t), dtype=torch.int64)
             block = 0
@@ -645,9 +650,9 @@ class AllToAllStrategy:
                 recv_idx[recv_pos, in_k.to(torch.int64)] = recv_j.to(recv_idx.dtype)
                 recv_w[recv_pos, in_k.to(torch.int64)] = in_w
             else:
-                recv_idx[recv_pos] = meta_in[:, 4: 4 + 4 * K].contiguous().view(torch.int32).reshape(-1, K) \
+                recv_idx[recv_pos] = _view(meta_in[:, 4: 4 + 4 * K], torch.int32).reshape(-1, K) \
                     .to(recv_idx.dtype)
-                recv_w[recv_pos] = meta_in[:, 4 + 4 * K: 4 + 8 * K].contiguous().view(torch.float32).reshape(-1, K)
+                recv_w[recv_pos] = _view(meta_in[:, 4 + 4 * K: 4 + 8 * K], torch.float32).reshape(-1, K)
         rows_per_source = [int(n) for n in recv_splits]
         handle = AllToAllHandle(
             owner=self, receive_order=order, num_tokens=T, num_topk=K, num_experts=E, num_recv_rows=N,
@@ -738,7 +743,7 @@ class AllToAllStrategy:
         if g is not None:
             back_rows = torch.cat([back_rows, _row_bytes(g, int(g.shape[0]))[h.recv_pos]], dim=1)
         back = self._a2a(back_rows, h.recv_splits, h.send_splits)
-        xb = back[:, : Hc * x.element_size()].contiguous().view(x.dtype).reshape(-1, Hc).to(torch.float32)
+        xb = _view(back[:, : Hc * x.element_size()], x.dtype).reshape(-1, Hc).to(torch.float32)
 
         # Origin: canonical fp32 reduction (spec §5.1), one tensor op per addition.
         acc = torch.zeros(T, Hc, dtype=torch.float32)
@@ -755,7 +760,7 @@ class AllToAllStrategy:
         else:
             wacc = torch.zeros(T, K, dtype=torch.float32) if g is not None else None
             if g is not None:
-                gb = back[:, Hc * x.element_size():].contiguous().view(torch.float32).reshape(-1, K)
+                gb = _view(back[:, Hc * x.element_size():], torch.float32).reshape(-1, K)
             begin = 0
             for d in range(R):
                 n = h.send_splits[d]
