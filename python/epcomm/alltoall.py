@@ -15,6 +15,7 @@ travel as bytes):
   dist.all_to_all_single, and the origin reduces in fp32 in canonical order (one add per tensor op, so no
   FMA), adds the bias and rounds once.
 Calls are synchronous: async_finish returns a completed event. Gloo's own timeout bounds every wait."""
+import os
 import time
 
 import torch
@@ -151,8 +152,6 @@ def _infer_tuple(d, dn, s, sn):
 
 
 def _env_int8():
-    import os
-
     return os.environ.get("DEEP_NORMAL_MODE_USE_INT8_QUANT") == "1" or os.environ.get("EPCOMM_NORMAL_INT8") == "1"
 
 
@@ -257,7 +256,8 @@ class AllToAllStrategy:
         if receive_order not in _ORDERS:
             raise InvalidUsageError(f"receive_order: expected one of expert_major, rank_major, got '{receive_order}'")
         self.receive_order = receive_order
-        self.timeout_s = timeout_s
+        # Reported like the engine's; the waits themselves are bounded by the process group's own timeout.
+        self.timeout_s = float(timeout_s if timeout_s is not None else os.environ.get("EPCOMM_TIMEOUT_S") or 100)
         self.num_nvl_bytes = num_nvl_bytes or (64 << 20)
         self.seq = 0
         self.destroyed = False
