@@ -171,11 +171,15 @@ def run_case(buf, rank, world, prob, mine, spec, order):
     check_bits(r2[0], ref2["x"], f"{what} cached dispatch")
     results["cached"] = (r2[0],)
 
-    # Asynchronous calls chained through previous_event; results equal the synchronous ones.
+    # Asynchronous calls chained through previous_event, with tiny chunks and one copy thread: results equal
+    # the synchronous ones; statistics keep accumulating.
+    before = stats.clone()
     out_a = buf.dispatch(mine["x"], num_tokens_per_expert=per_expert, topk_idx=mine["ids"], topk_weights=mine["ws"],
-                         expert_alignment=align, receive_order=order, async_finish=True)
+                         expert_alignment=align, receive_order=order, async_finish=True,
+                         config=epcomm.Config(1, 1, 2, 1, 2), dispatch_wait_recv_cost_stats=stats)
     out_a[5].wait()
     check_dispatch(out_a, ref, K, f"{what} async dispatch")
+    check(bool((stats >= before).all()), "statistics never decrease")
     with out_a[5]:
         pass
     cx_a, _, ev_a = buf.combine(y, out_a[4], topk_weights=w2 if order == "expert_major" else recv_w, bias=(b0, b1),
