@@ -384,6 +384,7 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
     check_dtype(*a.topk_weights, "topk_weights", {DType::f32});
     check_contiguous(*a.topk_weights, "topk_weights");
     in.recv_weights = a.topk_weights->data_as<float>();
+    in.has_recv_weights = true;
     in.keep.push_back(*a.topk_weights);
   }
   auto bias = [&](const std::optional<Tensor>& t, const char* name) -> const uint8_t* {

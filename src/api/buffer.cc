@@ -369,7 +369,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     const Handle::Impl& hd = *in->handle;
     in->poison = env::poison_outputs();
     out->combined_x = b.allocator->allocate(in->dtype, {hd.num_tokens, in->hidden});
-    if (hd.order == ReceiveOrder::expert_major || in->recv_weights)
+    if (hd.order == ReceiveOrder::expert_major || in->has_recv_weights)
       out->combined_topk_weights = b.allocator->allocate(DType::f32, {hd.num_tokens, hd.num_topk});
   }
   auto st = launch(b, s, engine::OpKind::combine, a.previous_event, verr ? std::string(verr->what()) : std::string(),

@@ -25,7 +25,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
 
   HeaderData& h = ctx.begin_header(OpKind::combine);
   h.order = static_cast<uint32_t>(hd.order);
-  h.flags = (hd.has_topk ? kHasTopk : 0) | (in.recv_weights ? kHasWeights : 0);
+  h.flags = (hd.has_topk ? kHasTopk : 0) | (in.has_recv_weights ? kHasWeights : 0);
   h.num_experts = hd.num_experts;
   h.num_topk = K;
   h.dtype = static_cast<int32_t>(in.dtype);
@@ -43,7 +43,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
 
   const int slots = expert ? K : R;
   const size_t row_bytes = static_cast<size_t>(Hc) * elem;
-  const size_t wbytes = in.recv_weights ? sizeof(float) * K : 0;
+  const size_t wbytes = in.has_recv_weights ? sizeof(float) * K : 0;
   // Two halves when a window fits in half the area: contributors fill window w + 1 while the origin reduces w.
   const size_t half = ctx.layout().data_bytes / 2 / kAlign * kAlign;
   const bool two = combine_geometry(half, row_bytes, slots, wbytes).window >= 1;

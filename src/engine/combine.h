@@ -21,7 +21,9 @@ struct CombineInput {
   // expert_major: weights used per own (t, k) ([T*K], already masked to +0 at -1 slots).
   std::vector<float> weights_used;
   // rank_major: receiving-side weights g ([num_rows, K] f32 contiguous) or null.
+  // Presence is a flag, not the pointer: a tensor with no rows may have no storage (null data).
   const float* recv_weights = nullptr;
+  bool has_recv_weights = false;
   const uint8_t* bias1 = nullptr;  // [T, H'] or null
   const uint8_t* bias2 = nullptr;
   int32_t chunks[4] = {0, 0, 0, 0};

@@ -1,0 +1,146 @@
+// python/csrc/torch_bridge.cc — dtype mapping, zero-copy input wrapping, torch-backed output allocation.
+#include "torch_bridge.h"
+
+#include <utility>
+
+#include "epcomm/error.h"
+
+namespace epcomm::python {
+namespace {
+
+// Owners created here hold one at::Tensor; the deleter's type marks them so that to_torch can find the
+// tensor again (std::get_deleter) instead of aliasing its memory.
+struct TorchOwnerDeleter {
+  void operator()(void* p) const { delete static_cast<at::Tensor*>(p); }
+};
+
+std::shared_ptr<void> own(at::Tensor t) {
+  return std::shared_ptr<void>(new at::Tensor(std::move(t)), TorchOwnerDeleter{});
+}
+
+[[noreturn]] void invalid(const std::string& message) {
+  throw Error(ErrorCode::InvalidUsage, message);
+}
+
+class TorchAllocator final : public Allocator {
+ public:
+  Tensor allocate(DType dtype, const Shape& shape) override {
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(torch_dtype(dtype)).device(at::kCPU));
+    void* data = t.data_ptr();
+    return Tensor::wrap(data, dtype, shape, {}, own(std::move(t)));
+  }
+};
+
+}  // namespace
+
+at::ScalarType torch_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+      return at::kBFloat16;
+    case DType::f16:
+      return at::kHalf;
+    case DType::f32:
+      return at::kFloat;
+    case DType::i8:
+      return at::kChar;
+    case DType::u8:
+      return at::kByte;
+    case DType::i32:
+      return at::kInt;
+    case DType::i64:
+      return at::kLong;
+    case DType::boolean:
+      return at::kBool;
+    case DType::f8e4m3:
+    case DType::f8e5m2:
+    case DType::e8m0:
+    case DType::f4x2:
+      return at::kByte;  // one byte each; viewed as the real dtype in Python when possible
+  }
+  return at::kByte;
+}
+
+DType epcomm_dtype(at::ScalarType type, const char* what) {
+  switch (type) {
+    case at::kBFloat16:
+      return DType::bf16;
+    case at::kHalf:
+      return DType::f16;
+    case at::kFloat:
+      return DType::f32;
+    case at::kChar:
+      return DType::i8;
+    case at::kByte:
+      return DType::u8;
+    case at::kInt:
+      return DType::i32;
+    case at::kLong:
+      return DType::i64;
+    case at::kBool:
+      return DType::boolean;
+    default:
+      break;
+  }
+  invalid(
+      std::string("argument: ") + what + ": torch dtype " + c10::toString(type) +
+      " is not one epcomm moves (bfloat16, float16, float32, int8, uint8, int32, int64, bool; fp8/e8m0/fp4x2 "
+      "as their torch dtypes or as uint8)");
+}
+
+DType parse_dtype(const std::string& name) {
+  for (DType d : {DType::bf16, DType::f16, DType::f32, DType::i8, DType::u8, DType::i32, DType::i64,
+                  DType::boolean, DType::f8e4m3, DType::f8e5m2, DType::e8m0, DType::f4x2})
+    if (name == dtype_name(d)) return d;
+  invalid("dtype: unknown epcomm dtype name '" + name + "'");
+}
+
+Tensor from_torch(const at::Tensor& t, const char* what, const std::optional<std::string>& as) {
+  if (!t.defined()) invalid(std::string("argument: ") + what + ": got an undefined tensor");
+  if (!t.device().is_cpu())
+    invalid(std::string("argument: ") + what + ": expected a CPU tensor, got one on " + t.device().str());
+  if (t.layout() != at::kStrided)
+    invalid(std::string("argument: ") + what + ": expected a dense (strided) tensor");
+  DType d = epcomm_dtype(t.scalar_type(), what);
+  if (as) {
+    DType want = parse_dtype(*as);
+    if (static_cast<int64_t>(dtype_size(want)) != t.element_size())
+      invalid(std::string("argument: ") + what + ": cannot read a " + c10::toString(t.scalar_type()) +
+              " tensor as " + *as);
+    d = want;
+  }
+  Shape shape(t.sizes().begin(), t.sizes().end());
+  Shape strides(t.strides().begin(), t.strides().end());
+  if (t.numel() == 0) strides.clear();  // torch calls any empty tensor contiguous; so does epcomm then
+  return Tensor::wrap(t.data_ptr(), d, std::move(shape), std::move(strides), own(t));
+}
+
+std::optional<Tensor> from_torch(const std::optional<at::Tensor>& t, const char* what,
+                                 const std::optional<std::string>& as) {
+  if (!t || !t->defined()) return std::nullopt;
+  return from_torch(*t, what, as);
+}
+
+at::Tensor to_torch(const Tensor& t) {
+  const at::ScalarType type = torch_dtype(t.dtype());
+  const std::shared_ptr<void>& owner = t.owner();
+  if (owner && std::get_deleter<TorchOwnerDeleter>(owner)) {
+    const at::Tensor& base = *static_cast<const at::Tensor*>(owner.get());
+    if (base.data_ptr() == t.data() && base.scalar_type() == type && base.sizes().vec() == t.shape() &&
+        base.is_contiguous() && t.is_contiguous())
+      return base;
+  }
+  auto options = at::TensorOptions().dtype(type).device(at::kCPU);
+  if (!owner) {  // borrowed memory that epcomm keeps: hand out a copy the caller owns
+    return at::from_blob(t.data(), t.shape(), t.strides(), options).clone();
+  }
+  std::shared_ptr<void> keep = owner;
+  return at::from_blob(
+      t.data(), t.shape(), t.strides(), [keep](void*) mutable { keep.reset(); }, options);
+}
+
+std::shared_ptr<Allocator> torch_allocator() {
+  static std::shared_ptr<Allocator> a = std::make_shared<TorchAllocator>();
+  return a;
+}
+
+}  // namespace epcomm::python

@@ -1,0 +1,275 @@
+"""epcomm.Buffer: the normal-mode API of DeepEP's Ascend port (buffer.py) on torch CPU tensors.
+
+Semantics: the project's spec normal-mode.md (docs/normal-mode.md, docs/python.md). Two strategies sit
+behind the same methods: the shared-memory engine (default) and, with DEEP_USE_MODE=alltoall, collectives on
+the torch.distributed group (epcomm.alltoall); both give identical results."""
+import atexit
+import os
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._dtypes import as_format, byte_view, tuple_formats
+from ._errors import InvalidUsageError
+from .alltoall import AllToAllHandle, AllToAllStrategy
+from .event import EventOverlap, c_event
+from .group import Group, as_group
+from .handle import Handle
+
+Config = _C.Config
+
+# DeepEP constructor arguments that are accepted without effect (spec §2.1).
+_DEEPEP_IGNORED = ("num_qps_per_rank", "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric",
+                   "explicitly_destroy", "comm")
+
+_live_buffers = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_all():
+    # Release segments before the interpreter tears down modules (the communication threads are idle then).
+    for b in list(_live_buffers):
+        try:
+            b.destroy()
+        except Exception:
+            pass
+
+
+def _use_mode():
+    mode = os.environ.get("DEEP_USE_MODE", "").strip().lower()
+    return "alltoall" if mode == "alltoall" else "shm"
+
+
+def _check_str(value, name):
+    if value is not None and not isinstance(value, str):
+        raise InvalidUsageError(f"argument: {name}: expected a string or None, got {type(value).__name__}")
+    return value
+
+
+class Buffer:
+    """The normal-mode communication buffer. Creation is collective over `group` (a torch.distributed gloo
+    ProcessGroup, an epcomm.Group, or None for the default group); so are dispatch and combine: every rank
+    calls them in the same order, ranks without tokens included. Use from one thread at a time."""
+
+    #: Class default of Config.num_threads (0: hardware threads / local ranks), see set_num_threads.
+    num_threads = 0
+    #: DeepEP's class attribute; epcomm copies with CPU threads (num_threads), so this has no effect.
+    num_sms = 20
+
+    def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
+                 explicitly_destroy=False, enable_shrink=False, comm=None, *, receive_order="expert_major",
+                 ranks_per_node=0, timeout_s=None, **deepep_compat):
+        if deepep_compat:
+            warnings.warn(f"epcomm.Buffer: ignoring unknown arguments {sorted(deepep_compat)}", stacklevel=2)
+        _check_str(receive_order, "receive_order")
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.mode = _use_mode()
+        self._destroyed = False
+        if self.mode == "alltoall":
+            pg = group.process_group if isinstance(group, Group) else (group if group is not None else dist.group.WORLD)
+            self.group = pg
+            self._impl = AllToAllStrategy(pg, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
+                                          bool(enable_shrink), receive_order, int(ranks_per_node), timeout_s)
+        else:
+            g = as_group(group)
+            self.group = g.process_group
+            self._impl = _C.Buffer(g._c, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
+                                   bool(enable_shrink), receive_order, int(ranks_per_node), timeout_s)
+        _live_buffers.add(self)
+
+    # ---- accessors ---------------------------------------------------------------------------------------
+
+    @property
+    def rank(self):
+        return self._impl.rank
+
+    @property
+    def num_ranks(self):
+        return self._impl.num_ranks
+
+    @property
+    def group_size(self):
+        """DeepEP's name for num_ranks."""
+        return self._impl.num_ranks
+
+    @property
+    def num_nodes(self):
+        return self._impl.num_nodes
+
+    def node_of(self, rank):
+        return self._impl.node_of(rank)
+
+    def get_num_rdma_ranks(self):
+        """Nodes spanned by the Buffer (the seed's runtime.get_num_rdma_ranks())."""
+        return self._impl.num_nodes
+
+    @property
+    def receive_order(self):
+        return self._impl.receive_order
+
+    @property
+    def timeout_s(self):
+        return self._impl.timeout_s
+
+    # ---- class-level configuration -----------------------------------------------------------------------
+
+    @classmethod
+    def set_num_threads(cls, n):
+        """Sets the class default of Config.num_threads (copy threads per rank per call; 0 = automatic)."""
+        _C.Buffer.set_num_threads(int(n))
+        cls.num_threads = int(n)
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """DeepEP compatibility: accepted without effect (see set_num_threads)."""
+        Buffer.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return _C.Buffer.get_dispatch_config(int(num_ranks))
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return _C.Buffer.get_combine_config(int(num_ranks))
+
+    @staticmethod
+    def capture():
+        """A completed event (there are no streams on a CPU)."""
+        return EventOverlap()
+
+    @staticmethod
+    def is_sm90_compiled():
+        return False
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(*args, **kwargs):
+        raise InvalidUsageError("get_low_latency_rdma_size_hint: low-latency mode is not supported by epcomm")
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
+
+    def destroy(self):
+        """Local: waits for this rank's queued operations, releases the segment, invalidates the handles."""
+        if not self._destroyed:
+            self._destroyed = True
+            self._impl.destroy()
+        _live_buffers.discard(self)
+
+    # ---- get_dispatch_layout -------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """Local. Returns (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+        is_token_in_rank, event)."""
+        prev = c_event(previous_event)
+        if isinstance(self._impl, AllToAllStrategy):
+            if prev is not None:
+                prev.wait()
+            return (*self._impl.get_dispatch_layout(topk_idx, int(num_experts)), EventOverlap())
+        per_rank, per_rdma, per_expert, in_rank, event = self._impl.get_dispatch_layout(
+            topk_idx, int(num_experts), prev, bool(async_finish), bool(allocate_on_comm_stream))
+        return per_rank, per_rdma, per_expert, in_rank, EventOverlap(event)
+
+    # ---- dispatch ------------------------------------------------------------------------------------------
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False, dispatch_wait_recv_cost_stats=None, quant_mode=None,
+                 receive_order=None):
+        """Collective. Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event); recv_x is a tensor, or a (data, scales) tuple for quantized payloads. A cached dispatch
+        (handle given) returns (recv_x, None, None, None, None, event)."""
+        _check_str(quant_mode, "quant_mode")
+        _check_str(receive_order, "receive_order")
+        if isinstance(x, (tuple, list)):
+            if len(x) != 2:
+                raise InvalidUsageError(f"argument: x: expected a tensor or a (data, scales) tuple, got {len(x)} items")
+            data, data_dtype, scales, scales_dtype = tuple_formats(x[0], x[1], quant_mode)
+        else:
+            data, data_dtype = byte_view(x)
+            scales = scales_dtype = None
+        impl_handle = self._handle_impl(handle)
+        prev = c_event(previous_event)
+        if isinstance(self._impl, AllToAllStrategy):
+            if prev is not None:
+                prev.wait()
+            args = dict(x=dict(data=data, data_dtype=data_dtype, scales=scales, scales_dtype=scales_dtype,
+                               quant_mode=quant_mode),
+                        handle=impl_handle, num_tokens_per_rank=num_tokens_per_rank,
+                        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+                        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                        expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens), config=config,
+                        dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, quant_mode=quant_mode,
+                        receive_order=receive_order)
+            r = self._impl.dispatch(args)
+            event = None
+        else:
+            r = self._impl.dispatch(
+                data, scales, data_dtype, scales_dtype, impl_handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, int(expert_alignment),
+                int(num_worst_tokens), config, prev, bool(async_finish), bool(allocate_on_comm_stream),
+                dispatch_wait_recv_cost_stats, quant_mode, receive_order)
+            event = r[8]
+        recv_data, data_name, recv_scales, scales_name, recv_idx, recv_w, lst, new_handle = r[:8]
+        recv_x = as_format(recv_data, data_name)
+        if recv_scales is not None:
+            recv_x = (recv_x, as_format(recv_scales, scales_name))
+        if new_handle is not None:
+            new_handle = Handle(new_handle, event)
+        return recv_x, recv_idx, recv_w, lst, new_handle, EventOverlap(event)
+
+    def _handle_impl(self, handle):
+        if handle is None:
+            return None
+        if not isinstance(handle, Handle):
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] argument: handle: expected the Handle returned by "
+                                    f"dispatch, got {type(handle).__name__}")
+        impl = handle._impl
+        ours = AllToAllHandle if isinstance(self._impl, AllToAllStrategy) else _C.Handle
+        if not isinstance(impl, ours):
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] argument: handle: it belongs to another Buffer "
+                                    f"(one using the {'shared-memory' if ours is AllToAllHandle else 'alltoall'} "
+                                    "strategy)")
+        return impl
+
+    # ---- combine -------------------------------------------------------------------------------------------
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False, combine_send_cost_stats=None):
+        """Collective. Returns (combined_x, combined_topk_weights, event)."""
+        if handle is None:
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] combine: argument: handle: required, got None")
+        impl_handle = self._handle_impl(handle)
+        bias0 = bias1 = None
+        if isinstance(bias, (tuple, list)):
+            if len(bias) != 2:
+                raise InvalidUsageError(f"argument: bias: expected a tensor or a 2-tuple, got {len(bias)} items")
+            bias0, bias1 = bias
+            if bias0 is None and bias1 is not None:
+                bias0, bias1 = bias1, None
+        else:
+            bias0 = bias
+        prev = c_event(previous_event)
+        if isinstance(self._impl, AllToAllStrategy):
+            if prev is not None:
+                prev.wait()
+            biases = [(b, n) for b, n in ((bias0, "bias[0]" if bias1 is not None else "bias"), (bias1, "bias[1]"))
+                      if b is not None]
+            out, w = self._impl.combine(dict(x=x, handle=impl_handle, topk_weights=topk_weights, biases=biases,
+                                             config=config, combine_send_cost_stats=combine_send_cost_stats))
+            return out, w, EventOverlap()
+        out, w, event = self._impl.combine(x, impl_handle, topk_weights, bias0, bias1, config, prev,
+                                           bool(async_finish), bool(allocate_on_comm_stream),
+                                           combine_send_cost_stats)
+        return out, w, EventOverlap(event)
+
+    def __repr__(self):
+        return (f"epcomm.Buffer(rank={self.rank}, num_ranks={self.num_ranks}, mode={self.mode!r}, "
+                f"receive_order={self.receive_order!r})")
