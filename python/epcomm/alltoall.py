@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._dtypes import MODE_DATA, MODE_SCALES, TORCH_OF
+from ._dtypes import TORCH_OF
 from ._errors import AbortedError, Error, InvalidUsageError, TimeoutError
 
 _ORDERS = ("expert_major", "rank_major")

@@ -8,7 +8,6 @@ import os
 import warnings
 import weakref
 
-import torch
 import torch.distributed as dist
 
 from . import _C
@@ -133,11 +132,16 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        return _C.Buffer.get_dispatch_config(int(num_ranks))
+        """The default Config for any num_ranks >= 1, with num_threads = Buffer.num_threads."""
+        cfg = _C.Buffer.get_dispatch_config(int(num_ranks))
+        cfg.num_threads = int(Buffer.num_threads)
+        return cfg
 
     @staticmethod
     def get_combine_config(num_ranks):
-        return _C.Buffer.get_combine_config(int(num_ranks))
+        cfg = _C.Buffer.get_combine_config(int(num_ranks))
+        cfg.num_threads = int(Buffer.num_threads)
+        return cfg
 
     @staticmethod
     def capture():
@@ -211,6 +215,8 @@ class Buffer:
             r = self._impl.dispatch(args)
             event = None
         else:
+            if config is None:  # Buffer.num_threads may have been assigned directly
+                config = self.get_dispatch_config(self.num_ranks)
             r = self._impl.dispatch(
                 data, scales, data_dtype, scales_dtype, impl_handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                 is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, int(expert_alignment),
@@ -265,6 +271,8 @@ class Buffer:
             out, w = self._impl.combine(dict(x=x, handle=impl_handle, topk_weights=topk_weights, biases=biases,
                                              config=config, combine_send_cost_stats=combine_send_cost_stats))
             return out, w, EventOverlap()
+        if config is None:
+            config = self.get_combine_config(self.num_ranks)
         out, w, event = self._impl.combine(x, impl_handle, topk_weights, bias0, bias1, config, prev,
                                            bool(async_finish), bool(allocate_on_comm_stream),
                                            combine_send_cost_stats)

@@ -1,6 +1,8 @@
 """quantize / dequantize: the number formats dispatch puts on the wire (spec quant.md), bit for bit."""
+import torch
+
 from . import _C
-from ._dtypes import as_format, byte_view
+from ._dtypes import MODE_DATA, MODE_SCALES, as_format, byte_view
 
 _OUT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -15,11 +17,7 @@ def quantize(x, mode, num_threads=1):
 
 def dequantize(data, scales, mode, out_dtype=None, num_threads=1):
     """Inverse of quantize: a [T, H] tensor of out_dtype (torch.float32 by default, or bf16/f16)."""
-    import torch
-
     out = _OUT[str(out_dtype or torch.float32).replace("torch.", "")]
-    from ._dtypes import MODE_DATA, MODE_SCALES
-
     d, dn = byte_view(data)
     dn = dn or (MODE_DATA.get(mode) if d.dtype == torch.uint8 else None)
     s, sn = (None, None) if scales is None else byte_view(scales)

@@ -1,6 +1,5 @@
 """Single-process checks of the Python front: Config, size functions, exception mapping, dtype mapping,
 quantizers, the deep_ep module, the distribute-v2 stubs, and a one-rank Buffer in both strategies."""
-import os
 import pickle
 import tempfile
 
@@ -90,6 +89,15 @@ def test_deep_ep_module_reexports():
 
     assert deep_ep.Buffer is epcomm.Buffer and deep_ep.Config is epcomm.Config
     assert deep_ep.EventOverlap is epcomm.EventOverlap and deep_ep.topk_idx_t is torch.int64
+
+
+def test_num_threads_class_default():
+    epcomm.Buffer.num_threads = 2  # assigned directly, as DeepEP code does with num_sms
+    try:
+        assert epcomm.Buffer.get_combine_config(4).num_threads == 2
+    finally:
+        epcomm.Buffer.set_num_threads(0)
+    assert epcomm.Buffer.get_dispatch_config(4).num_threads == 0
 
 
 def test_event_overlap():
