@@ -48,13 +48,13 @@ struct Payload {
 };
 
 struct BufferOptions {
-  int64_t num_nvl_bytes = 0;   // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
-  int64_t num_rdma_bytes = 0;  // internode staging (unused on one node); equal on all ranks.
+  int64_t num_nvl_bytes = 0;      // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
+  int64_t num_rdma_bytes = 0;     // internode staging (unused on one node); equal on all ranks.
   bool low_latency_mode = false;  // true is not supported
   bool enable_shrink = false;     // true is not supported
   ReceiveOrder receive_order = ReceiveOrder::expert_major;
-  int ranks_per_node = 0;            // 0 = one node per host
-  std::optional<double> timeout_s;   // default: env EPCOMM_TIMEOUT_S, else 100
+  int ranks_per_node = 0;                // 0 = one node per host
+  std::optional<double> timeout_s;       // default: env EPCOMM_TIMEOUT_S, else 100
   std::shared_ptr<Allocator> allocator;  // for every output; default_allocator() when null
 };
 
@@ -67,15 +67,15 @@ class Handle {
   int64_t num_tokens() const;
   int num_topk() const;
   int num_experts() const;
-  int64_t num_recv_rows() const;  // N: exact rows (PAD included)
-  int64_t num_rows() const;       // N, or num_worst_tokens when it was given
+  int64_t num_recv_rows() const;                            // N: exact rows (PAD included)
+  int64_t num_rows() const;                                 // N, or num_worst_tokens when it was given
   std::vector<int64_t> num_recv_tokens_per_expert() const;  // aligned list
   std::vector<int64_t> num_recv_pairs_per_expert() const;   // cnt
   std::vector<int64_t> num_recv_rows_per_source() const;    // [R], PAD excluded
-  Tensor recv_src_rank() const;   // [num_rows] i32, -1 for PAD/tail rows
-  Tensor recv_src_token() const;  // [num_rows] i32
-  Tensor recv_src_slot() const;   // [num_rows] i32, all -1 in rank_major
-  uint64_t dispatch_id() const;   // the group-wide sequence number of the dispatch that made it
+  Tensor recv_src_rank() const;                             // [num_rows] i32, -1 for PAD/tail rows
+  Tensor recv_src_token() const;                            // [num_rows] i32
+  Tensor recv_src_slot() const;                             // [num_rows] i32, all -1 in rank_major
+  uint64_t dispatch_id() const;  // the group-wide sequence number of the dispatch that made it
   const Impl& impl() const { return *impl_; }
 
  private:
@@ -83,18 +83,18 @@ class Handle {
 };
 
 struct LayoutResult {
-  Tensor num_tokens_per_rank;                     // [R] i32
-  std::optional<Tensor> num_tokens_per_rdma_rank; // [M] i32; none when M == 1
-  Tensor num_tokens_per_expert;                   // [E] i32
-  Tensor is_token_in_rank;                        // [T, R] bool
+  Tensor num_tokens_per_rank;                      // [R] i32
+  std::optional<Tensor> num_tokens_per_rdma_rank;  // [M] i32; none when M == 1
+  Tensor num_tokens_per_expert;                    // [E] i32
+  Tensor is_token_in_rank;                         // [T, R] bool
   EventOverlap event;
 };
 
 struct DispatchArgs {
   Payload x;
   std::shared_ptr<const Handle> handle;
-  std::optional<Tensor> num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-      topk_idx, topk_weights, dispatch_wait_recv_cost_stats;
+  std::optional<Tensor> num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+      num_tokens_per_expert, topk_idx, topk_weights, dispatch_wait_recv_cost_stats;
   int64_t expert_alignment = 1, num_worst_tokens = 0;
   bool async_finish = false, allocate_on_comm_stream = false;
   std::optional<Config> config;
@@ -107,7 +107,7 @@ struct DispatchResult {
   Payload recv_x;
   std::optional<Tensor> recv_topk_idx, recv_topk_weights;
   std::optional<std::vector<int64_t>> num_recv_tokens_per_expert_list;  // none for cached dispatch
-  std::shared_ptr<const Handle> handle;                                // none for cached dispatch
+  std::shared_ptr<const Handle> handle;                                 // none for cached dispatch
   EventOverlap event;
 };
 
@@ -115,8 +115,8 @@ struct CombineArgs {
   Tensor x;
   std::shared_ptr<const Handle> handle;
   std::optional<Tensor> topk_weights;
-  std::optional<Tensor> bias;       // [T, H'] in x's dtype
-  std::optional<Tensor> bias2;      // second element of a bias tuple
+  std::optional<Tensor> bias;   // [T, H'] in x's dtype
+  std::optional<Tensor> bias2;  // second element of a bias tuple
   std::optional<Config> config;
   std::optional<EventOverlap> previous_event;
   bool async_finish = false, allocate_on_comm_stream = false;
@@ -156,7 +156,7 @@ class Buffer {
   void destroy();
   EventOverlap capture() const { return EventOverlap(); }
 
-  static int num_threads();           // class default for Config::num_threads (0 = automatic)
+  static int num_threads();  // class default for Config::num_threads (0 = automatic)
   static void set_num_threads(int n);
   static Config get_dispatch_config(int num_ranks);
   static Config get_combine_config(int num_ranks);

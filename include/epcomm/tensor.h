@@ -36,7 +36,8 @@ class Tensor {
   Tensor() = default;
   // Wraps memory owned elsewhere; `owner` keeps it alive (may be empty for borrowed memory the caller keeps
   // alive). Empty `strides` means row-major contiguous.
-  static Tensor wrap(void* data, DType dtype, Shape shape, Shape strides = {}, std::shared_ptr<void> owner = {});
+  static Tensor wrap(void* data, DType dtype, Shape shape, Shape strides = {},
+                     std::shared_ptr<void> owner = {});
 
   bool defined() const { return data_ != nullptr || !shape_.empty(); }
   DType dtype() const { return dtype_; }

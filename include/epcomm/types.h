@@ -7,7 +7,15 @@
 namespace epcomm {
 
 enum class ReceiveOrder { expert_major, rank_major };
-enum class QuantMode { bf16, int8, pertoken_fp8_e4m3, pergroup_fp8_e4m3, mx_fp8_e4m3, mx_fp8_e5m2, mx_fp4_e2m1 };
+enum class QuantMode {
+  bf16,
+  int8,
+  pertoken_fp8_e4m3,
+  pergroup_fp8_e4m3,
+  mx_fp8_e4m3,
+  mx_fp8_e5m2,
+  mx_fp4_e2m1
+};
 
 const char* receive_order_name(ReceiveOrder order);
 const char* quant_mode_name(QuantMode mode);

@@ -44,7 +44,7 @@ struct Buffer::Impl {
   void stop_comm_thread() noexcept;
   void enqueue(std::function<void()> task);
   std::string prefix(const char* op, uint64_t s) const;
-  void check_usable(const char* op) ;
+  void check_usable(const char* op);
   void mark_failed(const std::string& message);
   std::string failed() {
     std::lock_guard<std::mutex> lk(failed_mutex);
@@ -54,7 +54,8 @@ struct Buffer::Impl {
 
 // Fills the engine input of a fresh or cached dispatch from the user's arguments; throws InvalidUsage
 // naming the argument, the expected and the actual value (no rank prefix: the caller adds it).
-void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in, ReceiveOrder& order);
+void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
+                      ReceiveOrder& order);
 void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::CombineInput& in);
 
 }  // namespace epcomm

@@ -23,20 +23,21 @@ std::string cat(const Args&... args) {
 
 }  // namespace epcomm::detail
 
-#define EPCOMM_THROW(code, ...) ::epcomm::detail::throw_error(::epcomm::ErrorCode::code, ::epcomm::detail::cat(__VA_ARGS__))
+#define EPCOMM_THROW(code, ...) \
+  ::epcomm::detail::throw_error(::epcomm::ErrorCode::code, ::epcomm::detail::cat(__VA_ARGS__))
 
-#define EPCOMM_CHECK(cond, ...)                            \
-  do {                                                     \
-    if (!(cond)) EPCOMM_THROW(InvalidUsage, __VA_ARGS__);  \
+#define EPCOMM_CHECK(cond, ...)                           \
+  do {                                                    \
+    if (!(cond)) EPCOMM_THROW(InvalidUsage, __VA_ARGS__); \
   } while (0)
 
-#define EPCOMM_CHECK_OP_(a, b, op, ...)                                                                    \
-  do {                                                                                                     \
-    const auto& epcomm_a_ = (a);                                                                           \
-    const auto& epcomm_b_ = (b);                                                                           \
-    if (!(epcomm_a_ op epcomm_b_))                                                                         \
+#define EPCOMM_CHECK_OP_(a, b, op, ...)                                                                     \
+  do {                                                                                                      \
+    const auto& epcomm_a_ = (a);                                                                            \
+    const auto& epcomm_b_ = (b);                                                                            \
+    if (!(epcomm_a_ op epcomm_b_))                                                                          \
       EPCOMM_THROW(InvalidUsage, __VA_ARGS__, " (", #a, " = ", epcomm_a_, ", expected " #op " ", #b, " = ", \
-                   epcomm_b_, ")");                                                                        \
+                   epcomm_b_, ")");                                                                         \
   } while (0)
 #define EPCOMM_CHECK_EQ(a, b, ...) EPCOMM_CHECK_OP_(a, b, ==, __VA_ARGS__)
 #define EPCOMM_CHECK_NE(a, b, ...) EPCOMM_CHECK_OP_(a, b, !=, __VA_ARGS__)
@@ -46,16 +47,17 @@ std::string cat(const Args&... args) {
 #define EPCOMM_CHECK_LT(a, b, ...) EPCOMM_CHECK_OP_(a, b, <, __VA_ARGS__)
 
 // For calls that return -1 and set errno.
-#define EPCOMM_CHECK_ERRNO(call)                                                                  \
-  do {                                                                                            \
-    if ((call) == -1) {                                                                           \
-      int epcomm_errno_ = errno;                                                                  \
-      EPCOMM_THROW(SystemError, #call, " failed: ", std::strerror(epcomm_errno_), " (errno ", epcomm_errno_, ")"); \
-    }                                                                                             \
+#define EPCOMM_CHECK_ERRNO(call)                                                                             \
+  do {                                                                                                       \
+    if ((call) == -1) {                                                                                      \
+      int epcomm_errno_ = errno;                                                                             \
+      EPCOMM_THROW(SystemError, #call, " failed: ", std::strerror(epcomm_errno_), " (errno ", epcomm_errno_, \
+                   ")");                                                                                     \
+    }                                                                                                        \
   } while (0)
 
 // Internal invariants (not user input): always on, they guard memory safety of the copy loops.
-#define EPCOMM_ASSERT(cond, ...)                                                              \
-  do {                                                                                        \
+#define EPCOMM_ASSERT(cond, ...)                                                               \
+  do {                                                                                         \
     if (!(cond)) EPCOMM_THROW(Internal, "internal invariant failed: " #cond " ", __VA_ARGS__); \
   } while (0)

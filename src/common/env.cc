@@ -10,11 +10,14 @@
 namespace epcomm::env {
 
 const Knob kKnobs[] = {
-    {"EPCOMM_TIMEOUT_S", "100", "deadline in seconds of every wait on a peer (restarts when the peer progresses)"},
+    {"EPCOMM_TIMEOUT_S", "100",
+     "deadline in seconds of every wait on a peer (restarts when the peer progresses)"},
     {"EPCOMM_POISON_OUTPUTS", "0", "1: fill every output with 0xFF bytes before writing it (debug, tests)"},
     {"DEEP_NORMAL_MODE_USE_INT8_QUANT", "0", "1: dispatch quantizes to int8 when quant_mode is not given"},
     {"EPCOMM_NORMAL_INT8", "0", "same as DEEP_NORMAL_MODE_USE_INT8_QUANT"},
-    {"EPCOMM_SPIN", "auto", "polls of a doorbell before a waiter sleeps on its futex (auto: 4000, or 16 when ranks outnumber cores)"},
+    {"EPCOMM_SPIN", "auto",
+     "polls of a doorbell before a waiter sleeps on its futex (auto: 4000, or 16 when ranks outnumber "
+     "cores)"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -37,11 +40,14 @@ double timeout_s() {
   if (!v) return 100.0;
   char* end = nullptr;
   double d = std::strtod(v->c_str(), &end);
-  EPCOMM_CHECK(end && *end == '\0' && d > 0, "EPCOMM_TIMEOUT_S: expected a positive number of seconds, got '", *v, "'");
+  EPCOMM_CHECK(end && *end == '\0' && d > 0, "EPCOMM_TIMEOUT_S: expected a positive number of seconds, got '",
+               *v, "'");
   return d;
 }
 
-bool poison_outputs() { return get_flag("EPCOMM_POISON_OUTPUTS"); }
+bool poison_outputs() {
+  return get_flag("EPCOMM_POISON_OUTPUTS");
+}
 
 bool normal_int8() {
   auto a = get("DEEP_NORMAL_MODE_USE_INT8_QUANT");

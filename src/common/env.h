@@ -22,9 +22,9 @@ std::optional<std::string> get(const char* name);
 bool get_flag(const char* name);  // "1", "true", "yes", "on" (any case) are true
 
 // Typed accessors for the knobs.
-double timeout_s();          // EPCOMM_TIMEOUT_S, default 100
-bool poison_outputs();       // EPCOMM_POISON_OUTPUTS
-bool normal_int8();          // DEEP_NORMAL_MODE_USE_INT8_QUANT or EPCOMM_NORMAL_INT8 == "1"
+double timeout_s();               // EPCOMM_TIMEOUT_S, default 100
+bool poison_outputs();            // EPCOMM_POISON_OUTPUTS
+bool normal_int8();               // DEEP_NORMAL_MODE_USE_INT8_QUANT or EPCOMM_NORMAL_INT8 == "1"
 int spin_count(int local_ranks);  // EPCOMM_SPIN: polls before a waiter sleeps on its futex
 
 }  // namespace epcomm::env

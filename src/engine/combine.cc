@@ -14,7 +14,8 @@ namespace epcomm::engine {
 
 using Clock = std::chrono::steady_clock;
 
-void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, const std::function<void()>& on_shapes) {
+void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
+                 const std::function<void()>& on_shapes) {
   const int R = ctx.size(), me = ctx.rank();
   const Handle::Impl& hd = *in.handle;
   const bool expert = hd.order == ReceiveOrder::expert_major;
@@ -44,15 +45,17 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
   const int slots = expert ? K : R;
   const size_t row_bytes = static_cast<size_t>(Hc) * elem;
   const size_t wbytes = in.has_recv_weights ? sizeof(float) * K : 0;
-  // Two halves when a window fits in half the area: contributors fill window w + 1 while the origin reduces w.
+  // Two halves when a window fits in half the area: contributors fill window w + 1 while the origin reduces
+  // w.
   const size_t half = ctx.layout().data_bytes / 2 / kAlign * kAlign;
   const bool two = combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
   const int64_t halves = two ? 2 : 1;
   const size_t area_bytes = two ? half : ctx.layout().data_bytes;
   const CombineGeometry geo = combine_geometry(area_bytes, row_bytes, slots, wbytes);
   if (geo.window < 1)
-    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total, " cannot hold the ",
-                 slots, " copies of one token (", row_bytes, " bytes each); the minimum for this call is ",
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
+                 " cannot hold the ", slots, " copies of one token (", row_bytes,
+                 " bytes each); the minimum for this call is ",
                  control_bytes(R) + combine_min_data_bytes(row_bytes, slots, wbytes));
 
   // The caller allocated the outputs (their shapes are known locally); only the debug poison happens here.
@@ -68,7 +71,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
   for (int s = 0; s < R; ++s) {
     int64_t Ts = ctx.header(s)->num_tokens;
     nwin[s] = hd.rows_per_source[s] > 0 ? (Ts + W - 1) / W : 0;
-    if (nwin[s] == 0) done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(t_headers - t_start).count();
+    if (nwin[s] == 0)
+      done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(t_headers - t_start).count();
   }
   const int64_t my_nwin = (T + W - 1) / W;
   const uint64_t seq = ctx.seq();
@@ -99,7 +103,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
         if (wbytes) local_weights[l] = in.recv_weights + row * K;
       } else {
         copy_row(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
-        if (wbytes) std::memcpy(area + weights_off + idx * geo.weight_stride, in.recv_weights + row * K, wbytes);
+        if (wbytes)
+          std::memcpy(area + weights_off + idx * geo.weight_stride, in.recv_weights + row * K, wbytes);
       }
       ++pos[s];
     }
@@ -132,7 +137,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
         for (int d = 0; d < R; ++d)
           if (hd.in_rank[t * R + d]) rows_ptr[n++] = copy_of(t, d);
       }
-      reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, Hc, in.bias1 ? in.bias1 + t * row_bytes : nullptr,
+      reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, Hc,
+                   in.bias1 ? in.bias1 + t * row_bytes : nullptr,
                    in.bias2 ? in.bias2 + t * row_bytes : nullptr, cx + t * row_bytes);
       if (!expert && cw) {
         const size_t first = static_cast<size_t>(t - t0) * slots;
@@ -140,22 +146,26 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
           float p = 0.0f;
           for (int d = 0; d < R; ++d) {
             if (!hd.in_rank[t * R + d]) continue;
-            const float* g = lw[first + d] ? lw[first + d]
-                                           : reinterpret_cast<const float*>(win + weights_off + (first + d) * geo.weight_stride);
+            const float* g =
+                lw[first + d]
+                    ? lw[first + d]
+                    : reinterpret_cast<const float*>(win + weights_off + (first + d) * geo.weight_stride);
             p = p + g[k];
           }
           cw[t * K + k] = 0.0f + p;
         }
       }
     }
-    std::fill(lrow, lrow + static_cast<size_t>(WL) * slots, nullptr);  // the next window in this half starts empty
+    std::fill(lrow, lrow + static_cast<size_t>(WL) * slots,
+              nullptr);  // the next window in this half starts empty
     std::fill(lw, lw + static_cast<size_t>(WL) * slots, nullptr);
   };
 
   int64_t reduced = 0, opened = 0;
   auto contributors_done = [&](int64_t w) {
     for (int p = 0; p < R; ++p)
-      if (hd.tokens_per_rank[p] > 0 && ctx.cell(me, p)->done.load(std::memory_order_acquire) < pack(seq, w + 1))
+      if (hd.tokens_per_rank[p] > 0 &&
+          ctx.cell(me, p)->done.load(std::memory_order_acquire) < pack(seq, w + 1))
         return false;
     return true;
   };
@@ -178,7 +188,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
             ctx.signal(ctx.cell(s, me)->done, pack(seq, filled[s]), s);
             progressed = true;
             if (filled[s] == nwin[s])
-              done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
+              done_us[s] =
+                  std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
           }
           all = all && filled[s] == nwin[s];
         }
@@ -195,7 +206,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, con
           if (filled[s] < nwin[s] && s != me) peers.push_back(s);
         if (reduced < opened)
           for (int p = 0; p < R; ++p)
-            if (hd.tokens_per_rank[p] > 0 && p != me && ctx.cell(me, p)->done.load() < pack(seq, reduced + 1) &&
+            if (hd.tokens_per_rank[p] > 0 && p != me &&
+                ctx.cell(me, p)->done.load() < pack(seq, reduced + 1) &&
                 std::find(peers.begin(), peers.end(), p) == peers.end())
               peers.push_back(p);
         return peers;

@@ -16,7 +16,7 @@ struct CombineInput {
   const Handle::Impl* handle = nullptr;
   std::shared_ptr<const Handle> keep_handle;  // keeps `handle` alive until the call completes
   DType dtype = DType::bf16;
-  int64_t hidden = 0;        // H'
+  int64_t hidden = 0;          // H'
   const uint8_t* x = nullptr;  // [num_rows, H'] contiguous
   // expert_major: weights used per own (t, k) ([T*K], already masked to +0 at -1 slots).
   std::vector<float> weights_used;
@@ -38,6 +38,7 @@ struct CombineOutput {
   std::optional<Tensor> combined_topk_weights;
 };
 
-void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out, const std::function<void()>& on_shapes);
+void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
+                 const std::function<void()>& on_shapes);
 
 }  // namespace epcomm::engine

@@ -16,7 +16,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int64_t num_windows(int64_t tokens, int64_t window) { return (tokens + window - 1) / window; }
+int64_t num_windows(int64_t tokens, int64_t window) {
+  return (tokens + window - 1) / window;
+}
 
 // Metadata staged after each token's payload: K ids and K weights (top-k) or R destination flags.
 size_t meta_bytes_of(int num_topk, int num_ranks, bool cached) {
@@ -89,14 +91,18 @@ void check_headers_match(const OpContext& ctx) {
     for (int r = 0; r < R; ++r) per_rank += detail::cat(r ? ", " : "", "rank ", r, " = ", get(ctx.header(r)));
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "mismatch: ranks disagree on ", name, ": ", per_rank);
   };
-  auto order_name = [](const HeaderData* h) { return std::string(receive_order_name(static_cast<ReceiveOrder>(h->order))); };
-  report("the operation", [](const HeaderData* h) { return std::string(op_kind_name(static_cast<OpKind>(h->op))); });
+  auto order_name = [](const HeaderData* h) {
+    return std::string(receive_order_name(static_cast<ReceiveOrder>(h->order)));
+  };
+  report("the operation",
+         [](const HeaderData* h) { return std::string(op_kind_name(static_cast<OpKind>(h->op))); });
   report("receive_order", order_name);
   report("handle (dispatch id)", [](const HeaderData* h) { return h->handle_id; });
   report("num_experts", [](const HeaderData* h) { return h->num_experts; });
   report("num_topk", [](const HeaderData* h) { return h->num_topk; });
   report("hidden", [](const HeaderData* h) { return h->hidden; });
-  report("payload dtype", [](const HeaderData* h) { return std::string(dtype_name(static_cast<DType>(h->dtype))); });
+  report("payload dtype",
+         [](const HeaderData* h) { return std::string(dtype_name(static_cast<DType>(h->dtype))); });
   report("quant_mode", [](const HeaderData* h) {
     return std::string(h->quant_mode < 0 ? "plain" : quant_mode_name(static_cast<QuantMode>(h->quant_mode)));
   });
@@ -109,7 +115,8 @@ void check_headers_match(const OpContext& ctx) {
   report("config.num_max_rdma_chunked_recv_tokens", [](const HeaderData* h) { return h->chunks[3]; });
 }
 
-void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, const std::function<void()>& on_shapes) {
+void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
+                  const std::function<void()>& on_shapes) {
   const int R = ctx.size(), me = ctx.rank();
   const Handle::Impl* hd = in.handle.get();
   const int K = in.cached ? hd->num_topk : in.num_topk;
@@ -135,8 +142,9 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
         quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
       } else {
         copy_row(dst, x, f.data_row_bytes);
-        if (in.scales) gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
-                                     f.scale_cols, dtype_size(f.scale_dtype));
+        if (in.scales)
+          gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
+                        f.scale_cols, dtype_size(f.scale_dtype));
       }
       if (meta) {
         uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
@@ -203,12 +211,13 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
       routing::ReceivePlan p = routing::plan_receive(d, in.order, map, in.expert_alignment, pairs, toks);
       int64_t worst = ctx.header(d)->num_worst_tokens;
       if (worst > 0 && p.num_recv_rows > worst)
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: receiving rank ", d, " gets N = ", p.num_recv_rows,
-                     " rows but its num_worst_tokens = ", worst, "; nothing was sent (rows are never truncated)");
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: receiving rank ", d,
+                     " gets N = ", p.num_recv_rows, " rows but its num_worst_tokens = ", worst,
+                     "; nothing was sent (rows are never truncated)");
       if (d == me) plan = std::move(p);
     }
-    EPCOMM_CHECK(plan.num_recv_rows < (int64_t{1} << 31), ctx.prefix(), "argument: rank ", me, " would receive ",
-                 plan.num_recv_rows, " rows, more than 2^31 - 1");
+    EPCOMM_CHECK(plan.num_recv_rows < (int64_t{1} << 31), ctx.prefix(), "argument: rank ", me,
+                 " would receive ", plan.num_recv_rows, " rows, more than 2^31 - 1");
   }
 
   // 3. Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).
@@ -394,7 +403,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
   auto can_stage = [&](int64_t w) {
     if (w < 2) return true;
     for (int p = 0; p < R; ++p)
-      if (my_dest_tokens[p] > 0 && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, w - 1)) return false;
+      if (my_dest_tokens[p] > 0 && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, w - 1))
+        return false;
     return true;
   };
   ctx.run(
@@ -418,7 +428,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
             ctx.signal(ctx.cell(s, me)->ack, pack(seq, pulled[s]), s);
             progressed = true;
             if (pulled[s] == nwin[s])
-              done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
+              done_us[s] =
+                  std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
           }
           all = all && pulled[s] == nwin[s];
         }
@@ -436,7 +447,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, 
       });
 
   if (in.cost_stats) add_cost_stats(*in.cost_stats, done_us);
-
 }
 
 }  // namespace epcomm::engine

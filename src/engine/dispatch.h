@@ -21,7 +21,7 @@ struct RowFormat {
   DType scale_dtype = DType::f32;
   size_t scale_row_bytes = 0;  // 0: no scales
   enum class ScaleShape { none, vec, mat, flat } scale_shape = ScaleShape::none;
-  int64_t scale_cols = 0;  // elements per row
+  int64_t scale_cols = 0;             // elements per row
   std::optional<QuantMode> quantize;  // quantize x (of x_dtype) on the sender into this format
   QuantMode mode = QuantMode::bf16;   // for the header
   bool plain = true;
@@ -39,11 +39,11 @@ struct DispatchInput {
   const uint8_t* scales = nullptr;  // pre-quantized scales: element (t, c) at scales + (t*st0 + c*st1)*size
   int64_t scale_stride0 = 0, scale_stride1 = 0;
   DType idx_dtype = DType::i64;
-  std::vector<int32_t> ids;        // [T*K] normalized
-  std::vector<float> weights;      // [T*K]
-  std::vector<uint8_t> in_rank;    // [T*R]
-  std::vector<int32_t> pairs_per_expert;  // [E]
-  std::vector<int32_t> tokens_per_rank;   // [R]
+  std::vector<int32_t> ids;                    // [T*K] normalized
+  std::vector<float> weights;                  // [T*K]
+  std::vector<uint8_t> in_rank;                // [T*R]
+  std::vector<int32_t> pairs_per_expert;       // [E]
+  std::vector<int32_t> tokens_per_rank;        // [R]
   std::shared_ptr<const Handle::Impl> handle;  // cached dispatch
   int32_t chunks[4] = {0, 0, 0, 0};
   Allocator* allocator = nullptr;
@@ -65,7 +65,8 @@ struct DispatchOutput {
 };
 
 // Runs one dispatch. `on_shapes` is called once the outputs exist (before any payload moves).
-void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out, const std::function<void()>& on_shapes);
+void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
+                  const std::function<void()>& on_shapes);
 
 // The check every rank runs on all headers: parameters that must match (normal-mode.md §8).
 void check_headers_match(const OpContext& ctx);

@@ -17,7 +17,7 @@ struct Handle::Impl {
   // Blocks until the fields above `recv_src_rank` are final (the dispatch's counts are exchanged); throws
   // when that dispatch failed. Set by the API; lets a caller use the handle of an asynchronous dispatch.
   std::function<void()> wait_shapes;
-  uint64_t seq = 0;                  // the dispatch's group-wide sequence number
+  uint64_t seq = 0;  // the dispatch's group-wide sequence number
   ReceiveOrder order = ReceiveOrder::expert_major;
   int num_ranks = 1, num_experts = 0, num_topk = 0, num_local = 0;
   int64_t num_tokens = 0, num_recv_rows = 0, num_rows = 0, expert_alignment = 1, num_worst_tokens = 0;

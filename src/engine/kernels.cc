@@ -29,7 +29,8 @@ namespace {
     _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), c);
     _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), d);
   }
-  for (; i + 64 <= bytes; i += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+  for (; i + 64 <= bytes; i += 64)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
   _mm_sfence();
   if (i < bytes) std::memcpy(dst + i, src + i, bytes - i);
 }
@@ -74,7 +75,8 @@ void copy_row(void* dst, const void* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 
-void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols, size_t elem) {
+void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols,
+                   size_t elem) {
   for (int64_t c = 0; c < cols; ++c) std::memcpy(dst + c * elem, base + (t * st0 + c * st1) * elem, elem);
 }
 
@@ -93,14 +95,17 @@ struct F16 {
 struct F32 {
   using T = float;
   static float load(T v) { return v; }
-  static T store(float f) { return f != f ? std::bit_cast<float>(0x7FC00000u) : f; }  // canonical NaN (quant.md §1)
+  static T store(float f) {
+    return f != f ? std::bit_cast<float>(0x7FC00000u) : f;
+  }  // canonical NaN (quant.md §1)
 };
 
 constexpr int64_t kBlock = 256;  // fp32 partial sums of one block stay in registers / L1
 
 template <typename Fmt>
-[[gnu::always_inline]] inline void reduce_token_t(const uint8_t* const* rows, const float* weights, int n, int64_t hidden, const uint8_t* bias1,
-                    const uint8_t* bias2, uint8_t* out) {
+[[gnu::always_inline]] inline void reduce_token_t(const uint8_t* const* rows, const float* weights, int n,
+                                                  int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
+                                                  uint8_t* out) {
   using T = typename Fmt::T;
   T* o = reinterpret_cast<T*>(out);
   const T* b1 = reinterpret_cast<const T*>(bias1);
@@ -140,9 +145,12 @@ template <typename Fmt>
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                   const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
   switch (dt) {
-    case DType::bf16: return reduce_token_t<Bf16>(rows, weights, n, hidden, bias1, bias2, out);
-    case DType::f16: return reduce_token_t<F16>(rows, weights, n, hidden, bias1, bias2, out);
-    default: return reduce_token_t<F32>(rows, weights, n, hidden, bias1, bias2, out);
+    case DType::bf16:
+      return reduce_token_t<Bf16>(rows, weights, n, hidden, bias1, bias2, out);
+    case DType::f16:
+      return reduce_token_t<F16>(rows, weights, n, hidden, bias1, bias2, out);
+    default:
+      return reduce_token_t<F32>(rows, weights, n, hidden, bias1, bias2, out);
   }
 }
 

@@ -13,7 +13,8 @@ namespace epcomm::engine {
 void copy_row(void* dst, const void* src, size_t bytes);
 
 // Packs row t of a strided scales tensor (element (t, c) at base + (t*st0 + c*st1) * elem) contiguously.
-void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols, size_t elem);
+void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols,
+                   size_t elem);
 
 // One combined token (spec/normal-mode.md §5.1 on one node): p = +0; p = p + f32(w_i * f32(x_i)) for each
 // contribution in order (unweighted when `weights` is null); acc = +0 + p; then the biases; one rounding.

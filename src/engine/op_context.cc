@@ -17,7 +17,9 @@ OpContext::OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, O
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
       timeout_s_(timeout_s) {}
 
-std::string OpContext::prefix() const { return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", seq_, ": "); }
+std::string OpContext::prefix() const {
+  return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", seq_, ": ");
+}
 
 HeaderData& OpContext::begin_header(OpKind op) {
   HeaderData* h = header(rank_);
@@ -95,8 +97,8 @@ void OpContext::exchange_headers() {
   for (int r = 0; r < size_; ++r) {
     const HeaderData* h = header(r);
     if (h->failed)
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r, " failed this call: ",
-                   std::string(h->message, strnlen(h->message, kMessageBytes)));
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r,
+                   " failed this call: ", std::string(h->message, strnlen(h->message, kMessageBytes)));
   }
 }
 
@@ -106,15 +108,16 @@ void OpContext::check_peers_alive() const {
     const Control* c = control(r);
     if (c->failed.load(std::memory_order_acquire) != 0) {
       saw_peer_failure_ = true;
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r, " failed: ",
-                   std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r,
+                   " failed: ", std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
     }
   }
 }
 
 void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) const {
   std::ostringstream os;
-  os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for ";
+  os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase
+     << "'; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i)
     os << (i ? ", " : "") << "rank " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i]) << ")";
   if (peers.empty()) os << "(no peer recorded)";

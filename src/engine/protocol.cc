@@ -7,9 +7,12 @@ namespace epcomm::engine {
 
 const char* op_kind_name(OpKind op) {
   switch (op) {
-    case OpKind::dispatch: return "dispatch";
-    case OpKind::cached_dispatch: return "dispatch(cached)";
-    case OpKind::combine: return "combine";
+    case OpKind::dispatch:
+      return "dispatch";
+    case OpKind::cached_dispatch:
+      return "dispatch(cached)";
+    case OpKind::combine:
+      return "combine";
   }
   return "?";
 }
@@ -19,7 +22,8 @@ static size_t header_slot_bytes(int num_ranks) {
 }
 
 size_t control_bytes(int num_ranks) {
-  size_t n = align64(sizeof(Control)) + align64(sizeof(PeerCell) * num_ranks) + 2 * header_slot_bytes(num_ranks);
+  size_t n =
+      align64(sizeof(Control)) + align64(sizeof(PeerCell) * num_ranks) + 2 * header_slot_bytes(num_ranks);
   return (n + 4095) / 4096 * 4096;
 }
 

@@ -13,7 +13,9 @@ constexpr int kMaxRanks = 1024;
 constexpr size_t kMessageBytes = 1024;
 constexpr size_t kAlign = 64;
 
-inline size_t align64(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+inline size_t align64(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
 
 enum class OpKind : uint32_t { dispatch = 1, cached_dispatch = 2, combine = 3 };
 const char* op_kind_name(OpKind op);
@@ -39,9 +41,9 @@ struct HeaderData {
 
 // Control words at the start of every segment.
 struct alignas(64) Control {
-  std::atomic<uint64_t> failed;       // 0, or 1 + sequence number of the call in which this rank failed
-  std::atomic<uint64_t> stage_ready;  // dispatch: pack(seq, w + 1) once window w is staged
-  std::atomic<uint64_t> combine_open; // combine: pack(seq, w + 1) once window w may be written
+  std::atomic<uint64_t> failed;        // 0, or 1 + sequence number of the call in which this rank failed
+  std::atomic<uint64_t> stage_ready;   // dispatch: pack(seq, w + 1) once window w is staged
+  std::atomic<uint64_t> combine_open;  // combine: pack(seq, w + 1) once window w may be written
   char failed_message[kMessageBytes];
 };
 
@@ -51,7 +53,9 @@ struct alignas(64) PeerCell {
   std::atomic<uint64_t> done;  // combine: p finished writing into our window: pack(seq, w + 1)
 };
 
-inline uint64_t pack(uint64_t seq, uint64_t w) { return (seq << 32) | w; }
+inline uint64_t pack(uint64_t seq, uint64_t w) {
+  return (seq << 32) | w;
+}
 
 struct SegmentLayout {
   size_t control = 0, cells = 0, headers = 0, header_bytes = 0, data = 0, data_bytes = 0, total = 0;

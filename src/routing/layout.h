@@ -17,13 +17,14 @@ struct ExpertMap {
 };
 
 struct Layout {
-  std::vector<int32_t> num_tokens_per_rank;       // [R]
-  std::vector<int32_t> num_tokens_per_node;       // [M]
-  std::vector<int32_t> num_tokens_per_expert;     // [E]
-  std::vector<uint8_t> is_token_in_rank;          // [T, R]
+  std::vector<int32_t> num_tokens_per_rank;    // [R]
+  std::vector<int32_t> num_tokens_per_node;    // [M]
+  std::vector<int32_t> num_tokens_per_expert;  // [E]
+  std::vector<uint8_t> is_token_in_rank;       // [T, R]
 };
 
-// `ids` are normalized top-k ids ([T*K], -1 for "no expert", all < E). node_of_rank has R entries, values < M.
+// `ids` are normalized top-k ids ([T*K], -1 for "no expert", all < E). node_of_rank has R entries, values <
+// M.
 Layout compute_layout(const int32_t* ids, int64_t num_tokens, int num_topk, const ExpertMap& map,
                       const std::vector<int>& node_of_rank, int num_nodes);
 
@@ -35,21 +36,24 @@ void normalize_topk_ids(const void* ids, bool is_i64, int64_t num_tokens, int nu
 // What receiving rank d gets, computed from every source's published counts.
 struct ReceivePlan {
   ReceiveOrder order = ReceiveOrder::expert_major;
-  int64_t num_recv_rows = 0;                 // N (PAD rows included in expert_major)
-  std::vector<int64_t> cnt, list;            // [L] pairs per local expert, aligned list
-  std::vector<int64_t> rows_per_source;      // [R] PAD excluded
+  int64_t num_recv_rows = 0;             // N (PAD rows included in expert_major)
+  std::vector<int64_t> cnt, list;        // [L] pairs per local expert, aligned list
+  std::vector<int64_t> rows_per_source;  // [R] PAD excluded
   // expert_major: first row of (source s, local expert j) at [s * L + j]; PAD rows of j at
   // [pad_begin[j], block_end[j]). rank_major: first row of source s at [s].
   std::vector<int64_t> start;
   std::vector<int64_t> pad_begin, block_end;  // [L], expert_major only
 };
 
-// pairs_per_expert[s] = source s's num_tokens_per_expert ([E]); tokens_per_rank[s] its num_tokens_per_rank ([R]).
-// rank_major without top-k: pairs_per_expert carry the caller-supplied num_tokens_per_expert (list only).
+// pairs_per_expert[s] = source s's num_tokens_per_expert ([E]); tokens_per_rank[s] its num_tokens_per_rank
+// ([R]). rank_major without top-k: pairs_per_expert carry the caller-supplied num_tokens_per_expert (list
+// only).
 ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
                          const std::vector<const int32_t*>& pairs_per_expert,
                          const std::vector<const int32_t*>& tokens_per_rank);
 
-inline int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+inline int64_t align_up(int64_t n, int64_t a) {
+  return (n + a - 1) / a * a;
+}
 
 }  // namespace epcomm::routing

@@ -15,35 +15,51 @@ namespace epcomm {
 size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::bf16:
-    case DType::f16: return 2;
+    case DType::f16:
+      return 2;
     case DType::f32:
-    case DType::i32: return 4;
-    case DType::i64: return 8;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
     case DType::i8:
     case DType::u8:
     case DType::boolean:
     case DType::f8e4m3:
     case DType::f8e5m2:
     case DType::e8m0:
-    case DType::f4x2: return 1;
+    case DType::f4x2:
+      return 1;
   }
   return 1;
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::f32: return "f32";
-    case DType::i8: return "i8";
-    case DType::u8: return "u8";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::boolean: return "bool";
-    case DType::f8e4m3: return "f8e4m3";
-    case DType::f8e5m2: return "f8e5m2";
-    case DType::e8m0: return "e8m0";
-    case DType::f4x2: return "f4x2";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::f32:
+      return "f32";
+    case DType::i8:
+      return "i8";
+    case DType::u8:
+      return "u8";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::boolean:
+      return "bool";
+    case DType::f8e4m3:
+      return "f8e4m3";
+    case DType::f8e5m2:
+      return "f8e5m2";
+    case DType::e8m0:
+      return "e8m0";
+    case DType::f4x2:
+      return "f4x2";
   }
   return "?";
 }
@@ -132,8 +148,8 @@ class CachingAllocator final : public Allocator {
   std::shared_ptr<CachingAllocator> shared_from_this_() { return instance(); }
 
   [[noreturn]] static void oom(size_t bytes, DType dtype, const Shape& shape) {
-    EPCOMM_THROW(SystemError, "out of memory allocating ", bytes, " bytes for a ", dtype_name(dtype), shape_str(shape),
-                 " tensor");
+    EPCOMM_THROW(SystemError, "out of memory allocating ", bytes, " bytes for a ", dtype_name(dtype),
+                 shape_str(shape), " tensor");
   }
 
   void* take(size_t size) {

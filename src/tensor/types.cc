@@ -11,13 +11,20 @@ const char* receive_order_name(ReceiveOrder order) {
 
 const char* quant_mode_name(QuantMode mode) {
   switch (mode) {
-    case QuantMode::bf16: return "bf16";
-    case QuantMode::int8: return "int8";
-    case QuantMode::pertoken_fp8_e4m3: return "pertoken_fp8_e4m3";
-    case QuantMode::pergroup_fp8_e4m3: return "pergroup_fp8_e4m3";
-    case QuantMode::mx_fp8_e4m3: return "mx_fp8_e4m3";
-    case QuantMode::mx_fp8_e5m2: return "mx_fp8_e5m2";
-    case QuantMode::mx_fp4_e2m1: return "mx_fp4_e2m1";
+    case QuantMode::bf16:
+      return "bf16";
+    case QuantMode::int8:
+      return "int8";
+    case QuantMode::pertoken_fp8_e4m3:
+      return "pertoken_fp8_e4m3";
+    case QuantMode::pergroup_fp8_e4m3:
+      return "pergroup_fp8_e4m3";
+    case QuantMode::mx_fp8_e4m3:
+      return "mx_fp8_e4m3";
+    case QuantMode::mx_fp8_e5m2:
+      return "mx_fp8_e5m2";
+    case QuantMode::mx_fp4_e2m1:
+      return "mx_fp4_e2m1";
   }
   return "?";
 }
@@ -29,8 +36,9 @@ ReceiveOrder parse_receive_order(const std::string& name) {
 }
 
 QuantMode parse_quant_mode(const std::string& name) {
-  for (QuantMode m : {QuantMode::bf16, QuantMode::int8, QuantMode::pertoken_fp8_e4m3, QuantMode::pergroup_fp8_e4m3,
-                      QuantMode::mx_fp8_e4m3, QuantMode::mx_fp8_e5m2, QuantMode::mx_fp4_e2m1})
+  for (QuantMode m :
+       {QuantMode::bf16, QuantMode::int8, QuantMode::pertoken_fp8_e4m3, QuantMode::pergroup_fp8_e4m3,
+        QuantMode::mx_fp8_e4m3, QuantMode::mx_fp8_e5m2, QuantMode::mx_fp4_e2m1})
     if (name == quant_mode_name(m)) return m;
   EPCOMM_THROW(InvalidUsage,
                "quant_mode: expected one of bf16, int8, pertoken_fp8_e4m3, pergroup_fp8_e4m3, mx_fp8_e4m3, "

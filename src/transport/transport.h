@@ -1,5 +1,6 @@
 // transport/transport.h — the internal interface every transport implements (shm today, UCX later).
-// A Transport gives this rank load/store access to every peer's registered segment, and a doorbell to sleep on.
+// A Transport gives this rank load/store access to every peer's registered segment, and a doorbell to sleep
+// on.
 #pragma once
 
 #include <chrono>

@@ -30,7 +30,8 @@ using namespace epcomm;
 using namespace epcomm::testing;
 
 static int usage() {
-  std::cerr << "usage: multirank_tests --case NAME --launcher thread|fork|mpi --np N | --list  (mpi: run under mpirun)\n";
+  std::cerr << "usage: multirank_tests --case NAME --launcher thread|fork|mpi --np N | --list  (mpi: run "
+               "under mpirun)\n";
   return 2;
 }
 
@@ -56,10 +57,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (i + 1 >= argc) return usage();
-    if (a == "--case") name = argv[++i];
-    else if (a == "--launcher") launcher = argv[++i];
-    else if (a == "--np") np = std::atoi(argv[++i]);
-    else return usage();
+    if (a == "--case")
+      name = argv[++i];
+    else if (a == "--launcher")
+      launcher = argv[++i];
+    else if (a == "--np")
+      np = std::atoi(argv[++i]);
+    else
+      return usage();
   }
   auto it = cases().find(name);
   if (it == cases().end()) {

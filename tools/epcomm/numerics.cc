@@ -5,8 +5,8 @@
 #include <cstring>
 #include <vector>
 
-#include "quant/row.h"
 #include "epcomm/quant_element.h"
+#include "quant/row.h"
 
 namespace epcomm::cli {
 

@@ -38,11 +38,11 @@ class MpiBootstrap final : public Bootstrap {
     MPI_Iallgather(&mine, 1, MPI_LONG_LONG, lens.data(), 1, MPI_LONG_LONG, comm_, &req);
     complete(req, "bootstrap all_gather");
     for (int r = 0; r < size_; ++r)
-      EPCOMM_CHECK(lens[r] == mine, "bootstrap all_gather: rank ", r, " contributed ", lens[r], " bytes but rank ",
-                   rank_, " contributed ", mine);
+      EPCOMM_CHECK(lens[r] == mine, "bootstrap all_gather: rank ", r, " contributed ", lens[r],
+                   " bytes but rank ", rank_, " contributed ", mine);
     std::vector<std::byte> out(bytes.size() * size_);
-    MPI_Iallgather(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, out.data(), static_cast<int>(bytes.size()),
-                   MPI_BYTE, comm_, &req);
+    MPI_Iallgather(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, out.data(),
+                   static_cast<int>(bytes.size()), MPI_BYTE, comm_, &req);
     complete(req, "bootstrap all_gather");
     return out;
   }
@@ -97,7 +97,9 @@ std::unique_ptr<Bootstrap> make_mpi_bootstrap(const void* mpi_comm, std::chrono:
   EPCOMM_CHECK(mpi_comm != nullptr, "make_mpi_bootstrap: mpi_comm must point to an MPI_Comm");
   int initialized = 0;
   MPI_Initialized(&initialized);
-  EPCOMM_CHECK(initialized, "make_mpi_bootstrap: MPI is not initialized (call MPI_Init first, or use the overload without a communicator)");
+  EPCOMM_CHECK(initialized,
+               "make_mpi_bootstrap: MPI is not initialized (call MPI_Init first, or use the overload without "
+               "a communicator)");
   return std::make_unique<MpiBootstrap>(*static_cast<const MPI_Comm*>(mpi_comm), timeout);
 }
 

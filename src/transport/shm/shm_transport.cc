@@ -77,12 +77,13 @@ ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t 
     int rc = posix_fallocate(fd, 0, static_cast<off_t>(total));
     if (rc != 0) {
       close(fd);
-      EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", total, " bytes (num_nvl_bytes = ",
-                   segment_bytes, ") in /dev/shm: ", std::strerror(rc));
+      EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", total,
+                   " bytes (num_nvl_bytes = ", segment_bytes, ") in /dev/shm: ", std::strerror(rc));
     }
     void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
+    if (p == MAP_FAILED)
+      EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
     maps_[rank_] = static_cast<uint8_t*>(p);
     // Write through the whole segment once: first-touch faults are paid here, not by the first dispatch.
     std::memset(p, 0, total);
