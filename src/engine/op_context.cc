@@ -17,7 +17,10 @@ OpContext::OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, O
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
       timeout_s_(timeout_s) {}
 
-std::string OpContext::prefix() const { return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", seq_, ": "); }
+std::string OpContext::prefix() const {
+  if (!label_.empty()) return label_;
+  return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", seq_, ": ");
+}
 
 HeaderData& OpContext::begin_header(OpKind op) {
   HeaderData* h = header(rank_);
@@ -95,7 +98,7 @@ void OpContext::exchange_headers() {
   for (int r = 0; r < size_; ++r) {
     const HeaderData* h = header(r);
     if (h->failed)
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r, " failed this call: ",
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r, " failed this call: ",
                    std::string(h->message, strnlen(h->message, kMessageBytes)));
   }
 }
@@ -106,7 +109,7 @@ void OpContext::check_peers_alive() const {
     const Control* c = control(r);
     if (c->failed.load(std::memory_order_acquire) != 0) {
       saw_peer_failure_ = true;
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: rank ", r, " failed: ",
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r, " failed: ",
                    std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
     }
   }
@@ -116,7 +119,7 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
   std::ostringstream os;
   os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i)
-    os << (i ? ", " : "") << "rank " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i]) << ")";
+    os << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i]) << ")";
   if (peers.empty()) os << "(no peer recorded)";
   throw Error(ErrorCode::Timeout, os.str());
 }
