@@ -72,7 +72,9 @@ struct Call {
       }
     }
     if (!refused.empty()) fail_validation(Error(ErrorCode::Aborted, refused));
-    if (!(t > 0)) fail_validation(Error(ErrorCode::InvalidUsage, epcomm::detail::cat("argument: timeout: expected > 0, got ", t, " s")));
+    if (!(t > 0))
+      fail_validation(Error(ErrorCode::InvalidUsage,
+                            epcomm::detail::cat("argument: timeout: expected > 0, got ", t, " s")));
   }
 
   // Local checks failed: tell both groups, then raise.
@@ -136,7 +138,7 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
   out.expert_token_nums = r.expert_token_nums.data_as<int64_t>();
   out.ep_recv_counts = r.ep_recv_counts.data_as<int32_t>();
   out.tp_recv_counts = plan.tp_world_size > 0 ? r.tp_recv_counts.data_as<int32_t>() : nullptr;
-  out.expand_scales = plan.in.expert_scales.empty() ? nullptr : r.expand_scales.data_as<float>();
+  out.expand_scales = a.expert_scales ? r.expand_scales.data_as<float>() : nullptr;
   call.run(call.ep, call.tp ? &call.tp : nullptr, [&](OpContext& ctx, const std::function<void()>& moving) {
     engine::v2::run_dispatch_v2(ctx, plan.in, out, moving);
   });
@@ -188,7 +190,8 @@ Tensor combine_v2(Group& ep_group, Group* tp_group, const CombineV2Args& a, cons
 
 CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group, const CombineAddRmsNormArgs& a,
                                              const OpOptions& o) {
-  Call call(OpKind::combine_add_rms_norm, "combine_add_rms_norm", ep_group, tp_group, a.tp_world_size, o.timeout);
+  Call call(OpKind::combine_add_rms_norm, "combine_add_rms_norm", ep_group, tp_group, a.tp_world_size,
+            o.timeout);
   detail::CombinePlan plan;
   run_combine(call, ep_group, tp_group, a, &a, o, plan);
   return {plan.y, plan.rstd, plan.x};

@@ -15,7 +15,9 @@ namespace {
 using engine::v2::ceil_div;
 using engine::v2::Layout;
 
-std::string describe(const Tensor& t) { return epcomm::detail::cat(dtype_name(t.dtype()), shape_str(t.shape())); }
+std::string describe(const Tensor& t) {
+  return epcomm::detail::cat(dtype_name(t.dtype()), shape_str(t.shape()));
+}
 
 void check_dtype(const Tensor& t, const char* name, std::initializer_list<DType> ok) {
   for (DType d : ok)
@@ -61,11 +63,13 @@ Tensor output(const std::optional<Tensor>& given, const char* name, DType dtype,
   const Tensor& g = *given;
   bool dtype_ok = g.dtype() == dtype;
   for (DType d : also_ok) dtype_ok |= g.dtype() == d;
-  EPCOMM_CHECK(dtype_ok, "argument: ", name, ": dtype ", dtype_name(g.dtype()), ", expected ", dtype_name(dtype));
+  EPCOMM_CHECK(dtype_ok, "argument: ", name, ": dtype ", dtype_name(g.dtype()), ", expected ",
+               dtype_name(dtype));
   bool shape_ok = g.dim() == static_cast<int64_t>(shape.size()) && (shape.empty() || g.size(0) >= shape[0]);
-  for (size_t d = 1; shape_ok && d < shape.size(); ++d) shape_ok = g.size(static_cast<int64_t>(d)) == shape[d];
-  EPCOMM_CHECK(shape_ok, "argument: ", name, ": shape ", shape_str(g.shape()), ", expected ", shape_str(shape),
-               " (the first dimension may be larger)");
+  for (size_t d = 1; shape_ok && d < shape.size(); ++d)
+    shape_ok = g.size(static_cast<int64_t>(d)) == shape[d];
+  EPCOMM_CHECK(shape_ok, "argument: ", name, ": shape ", shape_str(g.shape()), ", expected ",
+               shape_str(shape), " (the first dimension may be larger)");
   EPCOMM_CHECK(g.is_contiguous(), "argument: ", name, ": must be contiguous (shape ", shape_str(g.shape()),
                ", strides ", shape_str(g.strides()), ")");
   return g;
@@ -73,12 +77,12 @@ Tensor output(const std::optional<Tensor>& given, const char* name, DType dtype,
 
 // §8.2 group and layout rules; T = 2 also needs L = 1.
 Layout check_layout(Group& ep, Group* tp, const LayoutArgs& c, int64_t bs, int K) {
-  EPCOMM_CHECK(c.W >= 1 && c.W == ep.size(), "argument: ep_world_size: expected the ep_group size ", ep.size(),
-               ", got ", c.W);
-  EPCOMM_CHECK(c.ep_rank == ep.rank(), "argument: ep_rank_id: expected the rank in ep_group ", ep.rank(), ", got ",
-               c.ep_rank);
-  EPCOMM_CHECK(c.tp_world_size >= 0 && c.tp_world_size <= 2, "argument: tp_world_size: expected 0, 1 or 2, got ",
-               c.tp_world_size);
+  EPCOMM_CHECK(c.W >= 1 && c.W == ep.size(), "argument: ep_world_size: expected the ep_group size ",
+               ep.size(), ", got ", c.W);
+  EPCOMM_CHECK(c.ep_rank == ep.rank(), "argument: ep_rank_id: expected the rank in ep_group ", ep.rank(),
+               ", got ", c.ep_rank);
+  EPCOMM_CHECK(c.tp_world_size >= 0 && c.tp_world_size <= 2,
+               "argument: tp_world_size: expected 0, 1 or 2, got ", c.tp_world_size);
   if (c.tp_world_size == 2) {
     EPCOMM_CHECK(tp != nullptr, "argument: tp_group: tp_world_size = 2 needs a TP group of size 2, got null");
     EPCOMM_CHECK(tp->size() == 2, "argument: tp_group: expected a group of size 2, got size ", tp->size());
@@ -88,37 +92,41 @@ Layout check_layout(Group& ep, Group* tp, const LayoutArgs& c, int64_t bs, int K
     EPCOMM_CHECK(c.tp_rank == 0, "argument: tp_rank_id: expected 0 when tp_world_size = ", c.tp_world_size,
                  ", got ", c.tp_rank);
   }
-  EPCOMM_CHECK(c.shard == 0, "argument: expert_shard_type: expected 0 (shared-expert ranks first), got ", c.shard);
-  EPCOMM_CHECK(c.Sr >= 0 && c.Sr < c.W, "argument: shared_expert_rank_num: expected in [0, ep_world_size = ", c.W,
-               "), got ", c.Sr);
+  EPCOMM_CHECK(c.shard == 0, "argument: expert_shard_type: expected 0 (shared-expert ranks first), got ",
+               c.shard);
+  EPCOMM_CHECK(c.Sr >= 0 && c.Sr < c.W,
+               "argument: shared_expert_rank_num: expected in [0, ep_world_size = ", c.W, "), got ", c.Sr);
   int64_t S = c.shared_expert_num;
   if (c.Sr == 0) {
-    EPCOMM_CHECK(S == 0 || S == 1, "argument: shared_expert_num: expected 0 or 1 when shared_expert_rank_num = 0, got ",
-                 S);
+    EPCOMM_CHECK(S == 0 || S == 1,
+                 "argument: shared_expert_num: expected 0 or 1 when shared_expert_rank_num = 0, got ", S);
     S = 0;  // torch_npu's default 1 means none here
   } else {
     EPCOMM_CHECK(S >= 1, "argument: shared_expert_num: expected >= 1 when shared_expert_rank_num = ", c.Sr,
                  ", got ", S);
-    EPCOMM_CHECK(c.Sr % S == 0, "argument: shared_expert_rank_num: expected a multiple of shared_expert_num = ", S,
-                 ", got ", c.Sr);
+    EPCOMM_CHECK(c.Sr % S == 0,
+                 "argument: shared_expert_rank_num: expected a multiple of shared_expert_num = ", S, ", got ",
+                 c.Sr);
   }
   const int64_t moe_ranks = c.W - c.Sr;
-  EPCOMM_CHECK(c.E >= 1 && c.E % moe_ranks == 0, "argument: moe_expert_num: expected a positive multiple of the ",
-               moe_ranks, " MoE ranks (ep_world_size - shared_expert_rank_num), got ", c.E);
+  EPCOMM_CHECK(c.E >= 1 && c.E % moe_ranks == 0,
+               "argument: moe_expert_num: expected a positive multiple of the ", moe_ranks,
+               " MoE ranks (ep_world_size - shared_expert_rank_num), got ", c.E);
   EPCOMM_CHECK(c.E <= engine::kMaxExperts - engine::v2::kNumParams - 4, "argument: moe_expert_num: at most ",
                engine::kMaxExperts - engine::v2::kNumParams - 4, " experts are supported, got ", c.E);
   const int64_t L = c.E / moe_ranks;
   EPCOMM_CHECK(c.tp_world_size < 2 || L == 1,
-               "argument: tp_world_size = 2 requires one expert per MoE rank (L = moe_expert_num / MoE ranks = 1), got L = ",
+               "argument: tp_world_size = 2 requires one expert per MoE rank (L = moe_expert_num / MoE ranks "
+               "= 1), got L = ",
                L);
-  EPCOMM_CHECK(K >= 1 && K <= c.E, "argument: expert_ids: K = ", K, " (columns) must lie in [1, moe_expert_num = ",
-               c.E, "]");
+  EPCOMM_CHECK(K >= 1 && K <= c.E, "argument: expert_ids: K = ", K,
+               " (columns) must lie in [1, moe_expert_num = ", c.E, "]");
   EPCOMM_CHECK(c.global_bs >= 0, "argument: global_bs: expected >= 0, got ", c.global_bs);
   if (c.global_bs > 0) {
     EPCOMM_CHECK(c.global_bs % c.W == 0, "argument: global_bs: expected a multiple of ep_world_size = ", c.W,
                  ", got ", c.global_bs);
-    EPCOMM_CHECK(bs <= c.global_bs / c.W, "argument: global_bs: Bs = ", bs, " exceeds global_bs / ep_world_size = ",
-                 c.global_bs / c.W);
+    EPCOMM_CHECK(bs <= c.global_bs / c.W, "argument: global_bs: Bs = ", bs,
+                 " exceeds global_bs / ep_world_size = ", c.global_bs / c.W);
   }
   check_int32(c.global_bs, "global_bs");
   check_int32(bs, "Bs (tokens)");
@@ -138,7 +146,8 @@ Layout check_layout(Group& ep, Group* tp, const LayoutArgs& c, int64_t bs, int K
 
 // expert_ids and x_active_mask (§4.1, §8.2).
 Routing read_routing(const Tensor& ids, const std::optional<Tensor>& mask, int64_t E) {
-  EPCOMM_CHECK(ids.defined() && ids.dim() == 2, "argument: expert_ids: expected a 2-D (Bs, K) int32 tensor, got ",
+  EPCOMM_CHECK(ids.defined() && ids.dim() == 2,
+               "argument: expert_ids: expected a 2-D (Bs, K) int32 tensor, got ",
                ids.defined() ? describe(ids) : std::string("None"));
   check_dtype(ids, "expert_ids", {DType::i32});
   Routing r;
@@ -216,7 +225,8 @@ const uint8_t* packed_rows(const Tensor& t, int64_t rows, int64_t H, std::vector
       rem /= t.size(k);
     }
     for (int64_t h = 0; h < H; ++h)
-      std::memcpy(copy.data() + (i * H + h) * elem, t.data_as<uint8_t>() + (base + h * t.strides()[d - 1]) * elem, elem);
+      std::memcpy(copy.data() + (i * H + h) * elem,
+                  t.data_as<uint8_t>() + (base + h * t.strides()[d - 1]) * elem, elem);
   }
   return copy.data();
 }
@@ -254,10 +264,11 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
   EPCOMM_CHECK(H >= 1, "argument: x: H (columns) must be >= 1, got ", H);
   check_int32(H, "H");
   Routing routing = read_routing(a.expert_ids, a.x_active_mask, a.moe_expert_num);
-  EPCOMM_CHECK(routing.bs == a.x.size(0), "argument: expert_ids: ", routing.bs, " rows, expected Bs = ", a.x.size(0),
-               " (rows of x)");
-  const LayoutArgs c{a.ep_world_size, a.ep_rank_id, a.moe_expert_num, a.tp_world_size, a.tp_rank_id,
-                     a.expert_shard_type, a.shared_expert_num, a.shared_expert_rank_num, a.global_bs};
+  EPCOMM_CHECK(routing.bs == a.x.size(0), "argument: expert_ids: ", routing.bs,
+               " rows, expected Bs = ", a.x.size(0), " (rows of x)");
+  const LayoutArgs c{a.ep_world_size, a.ep_rank_id,        a.moe_expert_num,    a.tp_world_size,
+                     a.tp_rank_id,    a.expert_shard_type, a.shared_expert_num, a.shared_expert_rank_num,
+                     a.global_bs};
   const Layout lay = check_layout(ep, tp, c, routing.bs, routing.K);
   check_absent(a.elastic_info, "elastic_info");
   check_absent(a.performance_info, "performance_info");
@@ -280,15 +291,30 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
       if (*a.y_dtype == d) return;
     std::string list;
     for (DType d : ok) list += epcomm::detail::cat(list.empty() ? "" : " or ", dtype_name(d));
-    EPCOMM_THROW(InvalidUsage, "argument: y_dtype: ", dtype_name(*a.y_dtype), " is not allowed with quant_mode ",
-                 mode, ", expected ", list);
+    EPCOMM_THROW(InvalidUsage, "argument: y_dtype: ", dtype_name(*a.y_dtype),
+                 " is not allowed with quant_mode ", mode, ", expected ", list);
   };
   switch (mode) {
-    case 0: allow({xdt}); out_dt = xdt; break;
-    case 1: allow({DType::i8}); out_dt = DType::i8; break;
-    case 2: allow({DType::i8, DType::f8e4m3, DType::f8e5m2}); out_dt = a.y_dtype.value_or(DType::i8); break;
-    case 3: allow({DType::f8e4m3, DType::f8e5m2}); out_dt = a.y_dtype.value_or(DType::f8e4m3); break;
-    case 4: allow({DType::f8e4m3, DType::f8e5m2}); out_dt = a.y_dtype.value_or(DType::f8e4m3); break;
+    case 0:
+      allow({xdt});
+      out_dt = xdt;
+      break;
+    case 1:
+      allow({DType::i8});
+      out_dt = DType::i8;
+      break;
+    case 2:
+      allow({DType::i8, DType::f8e4m3, DType::f8e5m2});
+      out_dt = a.y_dtype.value_or(DType::i8);
+      break;
+    case 3:
+      allow({DType::f8e4m3, DType::f8e5m2});
+      out_dt = a.y_dtype.value_or(DType::f8e4m3);
+      break;
+    case 4:
+      allow({DType::f8e4m3, DType::f8e5m2});
+      out_dt = a.y_dtype.value_or(DType::f8e4m3);
+      break;
   }
   auto& in = p.in;
   in.smooth = {};
@@ -322,7 +348,8 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
       in.smooth.data = p.scales_copy.data();
     }
   } else {
-    EPCOMM_CHECK(mode != 1, "argument: scales: quant_mode 1 (static int8) needs scales of shape (1,), (H,) or (",
+    EPCOMM_CHECK(mode != 1,
+                 "argument: scales: quant_mode 1 (static int8) needs scales of shape (1,), (H,) or (",
                  table_rows, ", H), got None");
   }
 
@@ -335,10 +362,17 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
   in.fmt.H = H;
   in.fmt.data_bytes = static_cast<size_t>(H) * dtype_size(out_dt);
   switch (mode) {
-    case 2: in.fmt.scale_bytes = sizeof(float); break;
-    case 3: in.fmt.scale_bytes = sizeof(float) * static_cast<size_t>(ceil_div(H, quant::kGroup128)); break;
-    case 4: in.fmt.scale_bytes = static_cast<size_t>(ceil_div(ceil_div(H, quant::kMxBlock), 2) * 2); break;
-    default: in.fmt.scale_bytes = 0;
+    case 2:
+      in.fmt.scale_bytes = sizeof(float);
+      break;
+    case 3:
+      in.fmt.scale_bytes = sizeof(float) * static_cast<size_t>(ceil_div(H, quant::kGroup128));
+      break;
+    case 4:
+      in.fmt.scale_bytes = static_cast<size_t>(ceil_div(ceil_div(H, quant::kMxBlock), 2) * 2);
+      break;
+    default:
+      in.fmt.scale_bytes = 0;
   }
   in.x = packed_rows(a.x, routing.bs, H, p.x_copy);
   in.x_row_bytes = static_cast<size_t>(H) * dtype_size(xdt);
@@ -367,19 +401,21 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
   DispatchV2Result& r = p.result;
   r.expand_x = output(a.expand_x_out, "expand_x_out", out_dt, {rows, H});
   if (mode == 3)
-    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows, ceil_div(H, 128)});
+    r.dynamic_scales =
+        output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows, ceil_div(H, 128)});
   else if (mode == 4)
     r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::u8,
                               {rows, static_cast<int64_t>(in.fmt.scale_bytes)}, {DType::e8m0});
   else
     r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows});
-  r.assist_info_for_combine = output(a.assist_info_for_combine_out, "assist_info_for_combine_out", DType::i32,
-                                     {p.A * 128});
+  r.assist_info_for_combine =
+      output(a.assist_info_for_combine_out, "assist_info_for_combine_out", DType::i32, {p.A * 128});
   r.expert_token_nums = output(a.expert_token_nums_out, "expert_token_nums_out", DType::i64, {Lp});
   r.ep_recv_counts = output(a.ep_recv_counts_out, "ep_recv_counts_out", DType::i32,
                             {static_cast<int64_t>(lay.W) * lay.T * Lp});
   r.tp_recv_counts = output(a.tp_recv_counts_out, "tp_recv_counts_out", DType::i32, {a.tp_world_size});
-  r.expand_scales = output(a.expand_scales_out, "expand_scales_out", DType::f32, {a.expert_scales ? rows : 0});
+  r.expand_scales =
+      output(a.expand_scales_out, "expand_scales_out", DType::f32, {a.expert_scales ? rows : 0});
 }
 
 void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const CombineAddRmsNormArgs* norm,
@@ -394,8 +430,9 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
   EPCOMM_CHECK(H >= 1, "argument: expand_x: H (columns) must be >= 1, got ", H);
   check_int32(H, "H");
   Routing routing = read_routing(a.expert_ids, a.x_active_mask, a.moe_expert_num);
-  const LayoutArgs c{a.ep_world_size, a.ep_rank_id, a.moe_expert_num, a.tp_world_size, a.tp_rank_id,
-                     a.expert_shard_type, a.shared_expert_num, a.shared_expert_rank_num, a.global_bs};
+  const LayoutArgs c{a.ep_world_size, a.ep_rank_id,        a.moe_expert_num,    a.tp_world_size,
+                     a.tp_rank_id,    a.expert_shard_type, a.shared_expert_num, a.shared_expert_rank_num,
+                     a.global_bs};
   const Layout lay = check_layout(ep, tp, c, routing.bs, routing.K);
   const int me = static_cast<int>(a.ep_rank_id);
   const int64_t bs = routing.bs;
@@ -416,15 +453,17 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
   check_zero(a.zero_expert_num, "zero_expert_num");
   check_zero(a.copy_expert_num, "copy_expert_num");
   check_zero(a.const_expert_num, "const_expert_num");
-  EPCOMM_CHECK(a.comm_quant_mode == 0 || a.comm_quant_mode == 2, "argument: comm_quant_mode: expected 0 or 2, got ",
-               a.comm_quant_mode);
-  EPCOMM_CHECK(a.comm_quant_mode != 2 || H % 8 == 0, "argument: comm_quant_mode = 2 needs H % 8 == 0, got H = ", H);
+  EPCOMM_CHECK(a.comm_quant_mode == 0 || a.comm_quant_mode == 2,
+               "argument: comm_quant_mode: expected 0 or 2, got ", a.comm_quant_mode);
+  EPCOMM_CHECK(a.comm_quant_mode != 2 || H % 8 == 0,
+               "argument: comm_quant_mode = 2 needs H % 8 == 0, got H = ", H);
 
   // Counts and rows.
   const int Lp = lay.local_experts(me);
   const Tensor& sc = a.ep_send_counts;
   const int64_t n_counts = static_cast<int64_t>(lay.W) * lay.T * Lp;
-  EPCOMM_CHECK(sc.defined(), "argument: ep_send_counts: expected an int32 tensor of ", n_counts, " elements, got None");
+  EPCOMM_CHECK(sc.defined(), "argument: ep_send_counts: expected an int32 tensor of ", n_counts,
+               " elements, got None");
   check_dtype(sc, "ep_send_counts", {DType::i32});
   EPCOMM_CHECK(sc.numel() == n_counts && sc.is_contiguous(), "argument: ep_send_counts: ", sc.numel(),
                " elements (", describe(sc), "), expected ep_world_size·max(tp_world_size,1)·L_p = ", n_counts,
@@ -435,7 +474,8 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
                "] = ", n_own, ": the rows this rank owns must lie in [0, A = ", A, "]");
   int64_t n_send = 0;
   if (lay.T == 2 && a.tp_world_size == 2) {
-    EPCOMM_CHECK(a.tp_send_counts.has_value(), "argument: tp_send_counts: expected int32 (2,) with tp_world_size = 2, got None");
+    EPCOMM_CHECK(a.tp_send_counts.has_value(),
+                 "argument: tp_send_counts: expected int32 (2,) with tp_world_size = 2, got None");
     const Tensor& ts = *a.tp_send_counts;
     check_dtype(ts, "tp_send_counts", {DType::i32});
     check_shape(ts, "tp_send_counts", {2}, "(tp_world_size,)");
@@ -446,8 +486,9 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
     EPCOMM_CHECK(n_send >= 0 && n_send <= A, "argument: tp_send_counts[", 1 - a.tp_rank_id, "] = ", n_send,
                  ": expected in [0, A = ", A, "]");
   }
-  EPCOMM_CHECK(ex.size(0) >= n_own + n_send, "argument: expand_x: ", ex.size(0), " rows, expected >= ",
-               n_own + n_send, " (n_own", lay.T == 2 ? " + the TP peer's rows" : "", ")");
+  EPCOMM_CHECK(ex.size(0) >= n_own + n_send, "argument: expand_x: ", ex.size(0),
+               " rows, expected >= ", n_own + n_send, " (n_own", lay.T == 2 ? " + the TP peer's rows" : "",
+               ")");
   const Tensor& ai = a.assist_info_for_combine;
   EPCOMM_CHECK(ai.defined(), "argument: assist_info_for_combine: expected an int32 tensor, got None");
   check_dtype(ai, "assist_info_for_combine", {DType::i32});
@@ -456,8 +497,8 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
   if (ai.is_contiguous()) {
     p.in.assist = ai.data_as<int32_t>();
   } else {
-    EPCOMM_CHECK(ai.dim() == 1, "argument: assist_info_for_combine: must be 1-D or contiguous, got ", describe(ai),
-                 " with strides ", shape_str(ai.strides()));
+    EPCOMM_CHECK(ai.dim() == 1, "argument: assist_info_for_combine: must be 1-D or contiguous, got ",
+                 describe(ai), " with strides ", shape_str(ai.strides()));
     p.assist_copy.resize(static_cast<size_t>(3 * n_own));
     for (int64_t i = 0; i < 3 * n_own; ++i) p.assist_copy[i] = at<int32_t>(ai, i);
     p.in.assist = p.assist_copy.data();
@@ -474,8 +515,8 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
     check_dtype(s, "shared_expert_x", {dt});
     const bool ok = (s.dim() == 2 && s.size(0) == bs && s.size(1) == H) ||
                     (s.dim() == 3 && s.size(0) * s.size(1) == bs && s.size(2) == H);
-    EPCOMM_CHECK(ok, "argument: shared_expert_x: shape ", shape_str(s.shape()), ", expected (Bs, H) = (", bs, ", ",
-                 H, ") or (a, b, H) with a·b = Bs");
+    EPCOMM_CHECK(ok, "argument: shared_expert_x: shape ", shape_str(s.shape()), ", expected (Bs, H) = (", bs,
+                 ", ", H, ") or (a, b, H) with a·b = Bs");
     shared = packed_rows(s, bs, H, p.shared_copy);
   }
   p.expand_x = packed_rows(ex, ex.size(0), H, p.expand_x_copy);
@@ -517,8 +558,8 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
     EPCOMM_CHECK(g.defined(), "argument: gamma: expected (H,), got None");
     check_dtype(g, "gamma", {dt});
     check_shape(g, "gamma", {H}, "(H,)");
-    EPCOMM_CHECK(std::isfinite(norm->norm_eps) && norm->norm_eps >= 0, "argument: norm_eps: expected finite >= 0, got ",
-                 norm->norm_eps);
+    EPCOMM_CHECK(std::isfinite(norm->norm_eps) && norm->norm_eps >= 0,
+                 "argument: norm_eps: expected finite >= 0, got ", norm->norm_eps);
     in.residual = packed_rows(res, bs, H, p.residual_copy);
     in.gamma = packed_rows(g, 1, H, p.gamma_copy);
     in.norm_eps = norm->norm_eps;

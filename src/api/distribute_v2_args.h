@@ -29,7 +29,7 @@ struct Routing {
 struct DispatchPlan {
   engine::v2::DispatchV2Input in;
   int tp_world_size = 0, tp_rank = 0;
-  int64_t A = 0;  // capacity of this rank
+  int64_t A = 0;                   // capacity of this rank
   std::vector<float> scales_copy;  // smoothing values when `scales` was not contiguous
   std::vector<uint8_t> x_copy;     // x when its rows were not contiguous
   DispatchV2Result result;         // outputs, allocated (zeroed) or the caller's
@@ -38,11 +38,11 @@ struct DispatchPlan {
 struct CombinePlan {
   engine::v2::CombineV2Input in;
   int tp_world_size = 0, tp_rank = 0;
-  int64_t n_send = 0;              // rows returned to the TP peer
+  int64_t n_send = 0;                 // rows returned to the TP peer
   const uint8_t* expand_x = nullptr;  // contiguous rows
   std::vector<uint8_t> expand_x_copy, shared_copy, residual_copy, gamma_copy;
   std::vector<int32_t> assist_copy;
-  Tensor x, y, rstd;               // outputs
+  Tensor x, y, rstd;  // outputs
 };
 
 void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOptions& o, DispatchPlan& p);

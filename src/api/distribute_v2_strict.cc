@@ -4,8 +4,8 @@
 
 namespace epcomm::moe::detail {
 
-void check_strict_dispatch(const OpOptions& o, const DispatchV2Args&, const engine::v2::Layout&, const Routing&,
-                           int64_t) {
+void check_strict_dispatch(const OpOptions& o, const DispatchV2Args&, const engine::v2::Layout&,
+                           const Routing&, int64_t) {
   if (o.strict_hardware_limits.empty()) return;
 }
 

@@ -21,8 +21,9 @@ void create_context(Group& group, const GroupContextOptions& options) {
   EPCOMM_CHECK(timeout > 0, pre, "argument: timeout_s: expected > 0, got ", timeout);
   const int64_t bytes = options.segment_bytes ? options.segment_bytes : kDefaultSegmentBytes;
   const int64_t minimum = static_cast<int64_t>(engine::control_bytes(group.size())) + 4 * engine::kAlign;
-  EPCOMM_CHECK(bytes >= minimum, pre, "argument: segment_bytes = ", bytes, " is below the control part plus 256 bytes (",
-               minimum, " bytes for ", group.size(), " ranks)");
+  EPCOMM_CHECK(bytes >= minimum, pre, "argument: segment_bytes = ", bytes,
+               " is below the control part plus 256 bytes (", minimum, " bytes for ", group.size(),
+               " ranks)");
   // Every rank must use the same segment size: agree first, so that every rank raises the same error.
   std::vector<std::byte> mine(sizeof(int64_t));
   std::memcpy(mine.data(), &bytes, sizeof(bytes));
@@ -53,8 +54,9 @@ GroupContext& context_of(Group& group) {
 }
 
 void init_group_context(Group& group, const GroupContextOptions& options) {
-  EPCOMM_CHECK(!group.moe_context(), "epcomm[rank ", group.rank(),
-               "] init_group_context: argument: the group already has a context (created by an earlier call)");
+  EPCOMM_CHECK(
+      !group.moe_context(), "epcomm[rank ", group.rank(),
+      "] init_group_context: argument: the group already has a context (created by an earlier call)");
   create_context(group, options);
 }
 
@@ -80,15 +82,16 @@ std::shared_ptr<Group> split_group(Group& parent, int color, int key) {
   for (size_t i = 0; i < members.size(); ++i)
     if (members[i].second == parent.rank()) sub_rank = static_cast<int>(i);
   // Equal on the members, unique on the host: the parent's id, which split this is, and the color.
-  const std::string job = detail::cat(parent.bootstrap().unique_id(), "-s", parent.next_instance(), "c", color);
+  const std::string job =
+      detail::cat(parent.bootstrap().unique_id(), "-s", parent.next_instance(), "c", color);
   auto bs = make_local_bootstrap(job, sub_rank, static_cast<int>(members.size()),
                                  std::chrono::milliseconds(static_cast<int64_t>(env::timeout_s() * 1000)));
   return Group::create(std::move(bs));
 }
 
 EpTpGroups make_ep_tp_groups(Group& world, int tp_world_size) {
-  EPCOMM_CHECK(tp_world_size >= 0 && tp_world_size <= 2, "make_ep_tp_groups: tp_world_size: expected 0, 1 or 2, got ",
-               tp_world_size);
+  EPCOMM_CHECK(tp_world_size >= 0 && tp_world_size <= 2,
+               "make_ep_tp_groups: tp_world_size: expected 0, 1 or 2, got ", tp_world_size);
   const int T = std::max(tp_world_size, 1);
   EPCOMM_CHECK(world.size() % T == 0, "make_ep_tp_groups: the world size ", world.size(),
                " is not a multiple of tp_world_size ", T);

@@ -17,9 +17,9 @@ struct GroupContext {
   engine::SegmentLayout layout;
   int rank = 0, size = 1;
   double timeout_s = 100;
-  uint64_t seq = 0;     // last sequence number issued
-  std::string failed;   // non-empty: a call failed after data moved; later calls raise Aborted quoting it
-  std::mutex call;      // one call in flight per group
+  uint64_t seq = 0;    // last sequence number issued
+  std::string failed;  // non-empty: a call failed after data moved; later calls raise Aborted quoting it
+  std::mutex call;     // one call in flight per group
 };
 
 // The group's context, created collectively with default options when it has none yet.

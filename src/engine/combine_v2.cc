@@ -1,8 +1,8 @@
-// engine/combine_v2.cc — combine_v2 and combine_add_rms_norm (spec/distribute-v2.md §6, §7). The TP pair first
-// reduces its rows; then each origin opens a window over its own tokens with one fixed slot per
-// (token, slot ∈ [0, K+S)), every rank writes its rows (int8-compressed with comm_quant_mode 2) into the
-// origins' slots and stamps each slot, and the origin checks the stamps against its own mask and ids and
-// reduces in the fixed order (MoE slots by k, shared experts by s, shared_expert_x) with one rounding.
+// engine/combine_v2.cc — combine_v2 and combine_add_rms_norm (spec/distribute-v2.md §6, §7). The TP pair
+// first reduces its rows; then each origin opens a window over its own tokens with one fixed slot per (token,
+// slot ∈ [0, K+S)), every rank writes its rows (int8-compressed with comm_quant_mode 2) into the origins'
+// slots and stamps each slot, and the origin checks the stamps against its own mask and ids and reduces in
+// the fixed order (MoE slots by k, shared experts by s, shared_expert_x) with one rounding.
 #include <algorithm>
 #include <cstring>
 
@@ -16,9 +16,15 @@ namespace epcomm::engine::v2 {
 namespace {
 
 // Counts after the params: rows per origin [W], 1 + largest token index per origin [W], rows we expect.
-int count_origin(int /*W*/, int o) { return o; }
-int count_max_token(int W, int o) { return W + o; }
-int count_expected(int W) { return 2 * W; }
+int count_origin(int /*W*/, int o) {
+  return o;
+}
+int count_max_token(int W, int o) {
+  return W + o;
+}
+int count_expected(int W) {
+  return 2 * W;
+}
 
 size_t wire_bytes(const CombineV2Input& in) {
   const size_t H = static_cast<size_t>(in.H);
@@ -28,10 +34,15 @@ size_t wire_bytes(const CombineV2Input& in) {
 // A slot's stamp: the call, the window and the writer, so that the origin can tell arrivals of this window
 // from stale bytes and name the sender.
 uint64_t stamp(uint64_t seq, int64_t w, int writer) {
-  return ((seq & 0xFFFFFFFFull) << 32) | (static_cast<uint64_t>(w + 1) << 11) | static_cast<uint64_t>(writer + 1);
+  return ((seq & 0xFFFFFFFFull) << 32) | (static_cast<uint64_t>(w + 1) << 11) |
+         static_cast<uint64_t>(writer + 1);
 }
-bool stamp_is(uint64_t v, uint64_t seq, int64_t w) { return (v >> 11) == (stamp(seq, w, 0) >> 11); }
-int stamp_writer(uint64_t v) { return static_cast<int>(v & 0x7FF) - 1; }
+bool stamp_is(uint64_t v, uint64_t seq, int64_t w) {
+  return (v >> 11) == (stamp(seq, w, 0) >> 11);
+}
+int stamp_writer(uint64_t v) {
+  return static_cast<int>(v & 0x7FF) - 1;
+}
 
 }  // namespace
 
@@ -41,12 +52,12 @@ void prepare_combine_v2(CombineV2Input& in) {
   std::vector<int64_t> per_origin(W + 1, 0);
   for (int64_t i = 0; i < in.n_own; ++i) {
     const int32_t r = in.assist[3 * i], t = in.assist[3 * i + 1], slot = in.assist[3 * i + 2];
-    EPCOMM_CHECK(r >= 0 && r < W, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t, ", ", slot,
-                 "): source rank ", r, " outside [0, ", W, ")");
-    EPCOMM_CHECK(slot >= 0 && slot < slots, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t, ", ",
-                 slot, "): slot ", slot, " outside [0, K+S = ", slots, ")");
-    EPCOMM_CHECK(t >= 0 && t < lay.max_bs, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t, ", ",
-                 slot, "): token index ", t, " outside [0, maxBs = ", lay.max_bs, ")");
+    EPCOMM_CHECK(r >= 0 && r < W, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t, ", ",
+                 slot, "): source rank ", r, " outside [0, ", W, ")");
+    EPCOMM_CHECK(slot >= 0 && slot < slots, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
+                 ", ", slot, "): slot ", slot, " outside [0, K+S = ", slots, ")");
+    EPCOMM_CHECK(t >= 0 && t < lay.max_bs, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
+                 ", ", slot, "): token index ", t, " outside [0, maxBs = ", lay.max_bs, ")");
     ++per_origin[r + 1];
   }
   for (int o = 0; o < W; ++o) per_origin[o + 1] += per_origin[o];
@@ -54,14 +65,16 @@ void prepare_combine_v2(CombineV2Input& in) {
   in.origin_rows.assign(static_cast<size_t>(in.n_own), 0);
   std::vector<int64_t> fill(per_origin.begin(), per_origin.end() - 1);
   for (int64_t i = 0; i < in.n_own; ++i) in.origin_rows[fill[in.assist[3 * i]]++] = static_cast<int32_t>(i);
-  auto key = [&](int32_t i) { return static_cast<int64_t>(in.assist[3 * i + 1]) * slots + in.assist[3 * i + 2]; };
+  auto key = [&](int32_t i) {
+    return static_cast<int64_t>(in.assist[3 * i + 1]) * slots + in.assist[3 * i + 2];
+  };
   for (int o = 0; o < W; ++o) {
     auto b = in.origin_rows.begin() + per_origin[o], e = in.origin_rows.begin() + per_origin[o + 1];
     std::stable_sort(b, e, [&](int32_t a, int32_t c) { return key(a) < key(c); });
     for (auto it = b; it + 1 < e; ++it)
-      EPCOMM_CHECK(key(*it) != key(*(it + 1)), "argument: assist_info_for_combine: rows ", *it, " and ", *(it + 1),
-                   " both return (token ", in.assist[3 * *it + 1], ", slot ", in.assist[3 * *it + 2], ") to ep rank ",
-                   o, " (duplicate row)");
+      EPCOMM_CHECK(key(*it) != key(*(it + 1)), "argument: assist_info_for_combine: rows ", *it, " and ",
+                   *(it + 1), " both return (token ", in.assist[3 * *it + 1], ", slot ",
+                   in.assist[3 * *it + 2], ") to ep rank ", o, " (duplicate row)");
   }
 }
 
@@ -84,14 +97,18 @@ void run_combine_v2_tp(OpContext& tctx, const CombineV2Input& in, const uint8_t*
   const int32_t* pc = peer_counts(tctx, peer);
   if (pc[1] != in.n_own || c[1] != pc[0])
     EPCOMM_THROW(InvalidUsage, tctx.prefix(), "mismatch: tp_send_counts: this rank returns ", n_send,
-                 " rows to tp rank ", peer, ", which owns ", pc[0], " rows (its ep_send_counts); tp rank ", peer,
-                 " returns ", pc[1], " rows, this rank owns ", in.n_own);
+                 " rows to tp rank ", peer, ", which owns ", pc[0], " rows (its ep_send_counts); tp rank ",
+                 peer, " returns ", pc[1], " rows, this rank owns ", in.n_own);
   on_moving();
   std::memcpy(y, expand_x, static_cast<size_t>(in.n_own) * row);
   pair_exchange(
       tctx, "tp reduce", n_send, in.n_own, row,
-      [&](int64_t i, uint8_t* dst) { std::memcpy(dst, expand_x + static_cast<size_t>(in.n_own + i) * row, row); },
-      [&](int64_t i, const uint8_t* src) { add_pair_row(in.dt, y + static_cast<size_t>(i) * row, src, in.H); });
+      [&](int64_t i, uint8_t* dst) {
+        std::memcpy(dst, expand_x + static_cast<size_t>(in.n_own + i) * row, row);
+      },
+      [&](int64_t i, const uint8_t* src) {
+        add_pair_row(in.dt, y + static_cast<size_t>(i) * row, src, in.H);
+      });
 }
 
 void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Output& out,
@@ -132,7 +149,8 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
   const CombineGeometry geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
-                 " bytes per rank) cannot hold the ", slots, " rows of one token (", wire, " bytes each); the minimum is ",
+                 " bytes per rank) cannot hold the ", slots, " rows of one token (", wire,
+                 " bytes each); the minimum is ",
                  control_bytes(W) + combine_min_data_bytes(wire, slots, sizeof(uint64_t)),
                  " bytes (GroupContextOptions::segment_bytes)");
   std::vector<int64_t> tokens_of(W);
@@ -143,18 +161,20 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
     for (int s = 0; s < W; ++s) {
       const int32_t* pc = peer_counts(ctx, s);
       sum += pc[count_origin(W, o)];
-      if (pc[count_origin(W, o)]) senders += detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ",
-                                                         pc[count_origin(W, o)]);
+      if (pc[count_origin(W, o)])
+        senders +=
+            detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ", pc[count_origin(W, o)]);
       if (pc[count_max_token(W, o)] > tokens_of[o])
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_word(), " ", s,
-                     " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ", ctx.peer_word(), " ", o,
-                     ", which has Bs = ", tokens_of[o], " tokens");
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_word(),
+                     " ", s, " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ",
+                     ctx.peer_word(), " ", o, ", which has Bs = ", tokens_of[o], " tokens");
     }
     const int64_t want = peer_counts(ctx, o)[count_expected(W)];
     if (sum != want)
       EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", o, " expects ", want,
                    " rows (active slots of its x_active_mask and expert_ids, plus ", S,
-                   " shared per active token) but the ranks return ", sum, " (", senders.empty() ? "none" : senders,
+                   " shared per active token) but the ranks return ", sum, " (",
+                   senders.empty() ? "none" : senders,
                    "): expert_ids, x_active_mask or the layout differ from the dispatch");
   }
 
@@ -164,7 +184,8 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
   const uint64_t seq = ctx.seq();
   const size_t tags_off = static_cast<size_t>(per_window) * slots * geo.row_stride;
   auto tag_at = [&](int o, int64_t idx) {
-    return reinterpret_cast<std::atomic<uint64_t>*>(ctx.data(o) + tags_off + static_cast<size_t>(idx) * geo.weight_stride);
+    return reinterpret_cast<std::atomic<uint64_t>*>(ctx.data(o) + tags_off +
+                                                    static_cast<size_t>(idx) * geo.weight_stride);
   };
   std::vector<int64_t> nwin(W, 0), filled(W, 0), pos(in.origin_offsets.begin(), in.origin_offsets.end() - 1);
   for (int o = 0; o < W; ++o)
@@ -186,14 +207,15 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
       uint8_t* dst = area + static_cast<size_t>(idx) * geo.row_stride;
       const uint8_t* src = in.rows + static_cast<size_t>(i) * row_bytes;
       if (in.comm_quant == 2)
-        quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst), reinterpret_cast<uint16_t*>(dst + H));
+        quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
+                                   reinterpret_cast<uint16_t*>(dst + H));
       else
         copy_row(dst, src, row_bytes);
       const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
       if (stamp_is(old, seq, w))
         EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
-                     " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(), " ", o,
-                     " (duplicate row)");
+                     " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(),
+                     " ", o, " (duplicate row)");
       ++pos[o];
     }
   };
@@ -226,8 +248,8 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
                        " returned a row for (t=", t, ", slot=", s, "), which is not active on this rank (",
                        act ? "expert_ids / x_active_mask slot" : "masked token", ")");
         if (!arrived && wanted)
-          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: no rank returned a row for (t=", t, ", slot=", s,
-                       "), an active slot of this rank (another row went elsewhere)");
+          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: no rank returned a row for (t=", t,
+                       ", slot=", s, "), an active slot of this rank (another row went elsewhere)");
         if (!wanted) continue;
         const uint8_t* src = my_area + static_cast<size_t>(idx) * geo.row_stride;
         if (in.comm_quant == 2) {
@@ -266,7 +288,8 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
   bool open = false;
   auto contributors_done = [&](int64_t w) {
     for (int s = 0; s < W; ++s)
-      if (contributes[s] && ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, w + 1)) return false;
+      if (contributes[s] && ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, w + 1))
+        return false;
     return true;
   };
   ctx.run(
@@ -274,7 +297,8 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
       [&](bool& progressed) {
         if (reduced < my_windows && !open) {
           const int64_t t0 = reduced * per_window, t1 = std::min(in.bs, t0 + per_window);
-          for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx) tag_at(me, idx)->store(0, std::memory_order_relaxed);
+          for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx)
+            tag_at(me, idx)->store(0, std::memory_order_relaxed);
           ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
           for (int s = 0; s < W; ++s)
             if (contributes[s] && s != me) ctx.transport().notify(s);

@@ -20,7 +20,9 @@ using quant::Smoothing;
 constexpr int kCountActive = 0, kCountPayloads = 1, kCountExtra = 2;
 
 // Bytes of the metadata staged after each token's payloads: K ids, K expert scales, the active flag.
-size_t meta_bytes(int K) { return static_cast<size_t>(K) * 8 + 4; }
+size_t meta_bytes(int K) {
+  return static_cast<size_t>(K) * 8 + 4;
+}
 
 // Payloads per staged token: one, or one per slot and shared expert when a (S+E, H) table smooths each
 // destination row differently (§4.1 `row`).
@@ -30,15 +32,21 @@ int payloads_per_token(const DispatchV2Input& in) {
 
 Smoothing smoothing_for(const DispatchV2Input& in, int row) {
   switch (in.smooth.kind) {
-    case SmoothingSource::Kind::none: return Smoothing::none();
-    case SmoothingSource::Kind::scalar: return Smoothing::scalar(in.smooth.data[0]);
-    case SmoothingSource::Kind::vector: return Smoothing::vector(in.smooth.data);
-    case SmoothingSource::Kind::table: return Smoothing::vector(in.smooth.data + static_cast<int64_t>(row) * in.fmt.H);
+    case SmoothingSource::Kind::none:
+      return Smoothing::none();
+    case SmoothingSource::Kind::scalar:
+      return Smoothing::scalar(in.smooth.data[0]);
+    case SmoothingSource::Kind::vector:
+      return Smoothing::vector(in.smooth.data);
+    case SmoothingSource::Kind::table:
+      return Smoothing::vector(in.smooth.data + static_cast<int64_t>(row) * in.fmt.H);
   }
   return Smoothing::none();
 }
 
-quant::Fp8Format fp8_of(DType d) { return d == DType::f8e5m2 ? quant::Fp8Format::e5m2 : quant::Fp8Format::e4m3; }
+quant::Fp8Format fp8_of(DType d) {
+  return d == DType::f8e5m2 ? quant::Fp8Format::e5m2 : quant::Fp8Format::e4m3;
+}
 
 // Writes token t's payload for scale row `row`: data_bytes of data, then scale_bytes of scales (§5).
 void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, std::vector<float>& scratch) {
@@ -55,7 +63,8 @@ void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, s
     case 2: {
       float scale = 0;
       if (f.out_dtype == DType::i8)
-        quant::int8_per_token_a3(f.x_dtype, x, H, smoothing_for(in, row), reinterpret_cast<int8_t*>(dst), &scale);
+        quant::int8_per_token_a3(f.x_dtype, x, H, smoothing_for(in, row), reinterpret_cast<int8_t*>(dst),
+                                 &scale);
       else
         quant::fp8_per_token(fp8_of(f.out_dtype), f.x_dtype, x, H, smoothing_for(in, row), dst, &scale);
       std::memcpy(dst + H, &scale, sizeof(float));
@@ -64,7 +73,8 @@ void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, s
     case 3: {
       const int64_t groups = ceil_div(H, quant::kGroup128);
       scratch.resize(static_cast<size_t>(groups));
-      quant::fp8_per_group128_a3(fp8_of(f.out_dtype), f.x_dtype, x, H, smoothing_for(in, row), dst, scratch.data());
+      quant::fp8_per_group128_a3(fp8_of(f.out_dtype), f.x_dtype, x, H, smoothing_for(in, row), dst,
+                                 scratch.data());
       std::memcpy(dst + H, scratch.data(), sizeof(float) * groups);
       return;
     }
@@ -144,7 +154,8 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
         continue;
       }
       for (int k = 0; k < K; ++k)
-        if (ids[k] >= 0) make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch);
+        if (ids[k] >= 0)
+          make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch);
       for (int s = 0; s < S; ++s)
         make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch);
     }
@@ -194,7 +205,7 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
   // 3. The receive plan of this rank: blocks b = el·W + r in order (§4.2).
   const bool shared = lay.is_shared(me);
   const int Lp = lay.local_experts(me);
-  const int m = me - lay.Sr;          // MoE rank index
+  const int m = me - lay.Sr;  // MoE rank index
   const int sexp = shared ? lay.shared_expert_of(me) : 0;
   std::vector<int64_t> block(static_cast<size_t>(W) * Lp, 0);
   for (int s = 0; s < W; ++s) {
@@ -226,7 +237,8 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
   auto place = [&](int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot, float escale) {
     copy_row(out.expand_x + static_cast<size_t>(row) * f.data_bytes, payload, f.data_bytes);
     if (f.scale_bytes)
-      std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, payload + f.data_bytes, f.scale_bytes);
+      std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, payload + f.data_bytes,
+                  f.scale_bytes);
     out.assist[3 * row] = src;
     out.assist[3 * row + 1] = t;
     out.assist[3 * row + 2] = slot;
@@ -239,7 +251,8 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
     const int64_t t0 = w * pw, t1 = std::min(tokens_of[s], t0 + pw);
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* rec = half + static_cast<size_t>(t - t0) * g.geo.row_stride;
-      const uint8_t* meta = half + static_cast<size_t>(pw) * g.geo.row_stride + static_cast<size_t>(t - t0) * g.geo.meta_stride;
+      const uint8_t* meta =
+          half + static_cast<size_t>(pw) * g.geo.row_stride + static_cast<size_t>(t - t0) * g.geo.meta_stride;
       uint32_t act;
       std::memcpy(&act, meta + 8 * K, 4);
       if (!act) continue;
@@ -256,7 +269,8 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
         float es;
         std::memcpy(&es, meta + 4 * K + 4 * k, 4);
         const size_t idx = g.payloads > 1 ? static_cast<size_t>(k) : 0;
-        place(cursor[static_cast<size_t>(el) * W + s]++, rec + idx * g.payload_stride, s, static_cast<int32_t>(t), k, es);
+        place(cursor[static_cast<size_t>(el) * W + s]++, rec + idx * g.payload_stride, s,
+              static_cast<int32_t>(t), k, es);
       }
     }
   };
@@ -295,7 +309,8 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
           if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
         for (int p = 0; p < W; ++p)
           if (dest[p] && p != me && std::find(peers.begin(), peers.end(), p) == peers.end() &&
-              ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, std::max<int64_t>(my_windows, 1)))
+              ctx.cell(me, p)->ack.load(std::memory_order_acquire) <
+                  pack(seq, std::max<int64_t>(my_windows, 1)))
             peers.push_back(p);
         return peers;
       });
@@ -331,14 +346,16 @@ void run_dispatch_v2_tp(OpContext& tctx, const DispatchV2Input& in, DispatchV2Ou
       [&](int64_t i, uint8_t* dst) {
         std::memcpy(dst, out.expand_x + static_cast<size_t>(i) * f.data_bytes, f.data_bytes);
         if (f.scale_bytes)
-          std::memcpy(dst + f.data_bytes, out.dynamic_scales + static_cast<size_t>(i) * f.scale_bytes, f.scale_bytes);
+          std::memcpy(dst + f.data_bytes, out.dynamic_scales + static_cast<size_t>(i) * f.scale_bytes,
+                      f.scale_bytes);
         if (escale) std::memcpy(dst + f.data_bytes + f.scale_bytes, &out.expand_scales[i], sizeof(float));
       },
       [&](int64_t i, const uint8_t* src) {
         const int64_t row = out.n_own + i;
         std::memcpy(out.expand_x + static_cast<size_t>(row) * f.data_bytes, src, f.data_bytes);
         if (f.scale_bytes)
-          std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, src + f.data_bytes, f.scale_bytes);
+          std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, src + f.data_bytes,
+                      f.scale_bytes);
         if (escale) std::memcpy(&out.expand_scales[row], src + f.data_bytes + f.scale_bytes, sizeof(float));
       });
 }

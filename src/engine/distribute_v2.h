@@ -1,6 +1,7 @@
 // engine/distribute_v2.h — the protocols of the operator family (spec/distribute-v2.md) on the engine's
 // segments: dispatch_v2 (staged pull, rows in (local expert, source, sender order)), its TP all-gather, and
-// combine_v2 (TP reduce, then origin windows with one fixed slot per (token, slot) and a canonical reduction).
+// combine_v2 (TP reduce, then origin windows with one fixed slot per (token, slot) and a canonical
+// reduction).
 #pragma once
 
 #include <algorithm>
@@ -14,18 +15,20 @@
 
 namespace epcomm::engine::v2 {
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // Rank layout and capacity of spec §3 (expert_shard_type 0). Pure values, equal on every rank of a call.
 struct Layout {
-  int W = 1;   // ep_world_size
-  int E = 1;   // MoE experts
-  int K = 1;   // top-k
-  int S = 0;   // effective shared experts (0 when Sr = 0)
-  int Sr = 0;  // shared-expert ranks
-  int R = 1;   // replicas per shared expert (Sr / S)
-  int L = 1;   // experts per MoE rank
-  int T = 1;   // max(tp_world_size, 1)
+  int W = 1;                  // ep_world_size
+  int E = 1;                  // MoE experts
+  int K = 1;                  // top-k
+  int S = 0;                  // effective shared experts (0 when Sr = 0)
+  int Sr = 0;                 // shared-expert ranks
+  int R = 1;                  // replicas per shared expert (Sr / S)
+  int L = 1;                  // experts per MoE rank
+  int T = 1;                  // max(tp_world_size, 1)
   int64_t max_bs = 0, G = 0;  // maxBs and G of §1
 
   bool is_shared(int p) const { return p < Sr; }
@@ -93,8 +96,8 @@ struct DispatchV2Input {
   RowFormat fmt;
   const uint8_t* x = nullptr;  // [bs, H] rows of x_dtype at `x_row_bytes` stride
   size_t x_row_bytes = 0;
-  std::vector<int32_t> ids;     // [bs*K]: the expert of each active slot, -1 for an inactive slot
-  std::vector<uint8_t> active;  // [bs]: active_tok
+  std::vector<int32_t> ids;          // [bs*K]: the expert of each active slot, -1 for an inactive slot
+  std::vector<uint8_t> active;       // [bs]: active_tok
   std::vector<float> expert_scales;  // [bs*K], empty when not given
   SmoothingSource smooth;
   int expert_token_nums_type = 1;
@@ -132,11 +135,11 @@ struct CombineV2Input {
   DType dt = DType::bf16;  // expand_x dtype
   int comm_quant = 0;      // 0 or 2
   int64_t n_own = 0;
-  const uint8_t* rows = nullptr;  // [n_own, H] contiguous dt: the rows to return (after the TP reduce)
-  const int32_t* assist = nullptr;  // 3·n_own
-  std::vector<int32_t> ids;         // [bs*K], -1 for an inactive slot
-  std::vector<uint8_t> active;      // [bs]
-  std::vector<float> expert_scales;  // [bs*K]
+  const uint8_t* rows = nullptr;      // [n_own, H] contiguous dt: the rows to return (after the TP reduce)
+  const int32_t* assist = nullptr;    // 3·n_own
+  std::vector<int32_t> ids;           // [bs*K], -1 for an inactive slot
+  std::vector<uint8_t> active;        // [bs]
+  std::vector<float> expert_scales;   // [bs*K]
   const uint8_t* shared_x = nullptr;  // [bs, H] dt contiguous, or null
   // combine_add_rms_norm (§7) when residual is set.
   const uint8_t* residual = nullptr;  // [bs, H] dt
@@ -150,8 +153,8 @@ struct CombineV2Input {
 };
 
 struct CombineV2Output {
-  uint8_t* x = nullptr;  // [bs, H] dt
-  uint8_t* y = nullptr;  // [bs, H] dt (rms norm only)
+  uint8_t* x = nullptr;   // [bs, H] dt
+  uint8_t* y = nullptr;   // [bs, H] dt (rms norm only)
   float* rstd = nullptr;  // [bs] (rms norm only)
 };
 

@@ -12,7 +12,9 @@ namespace {
 inline float load(DType dt, const uint16_t* p, int64_t h) {
   return dt == DType::bf16 ? bf16_to_f32(p[h]) : f16_to_f32(p[h]);
 }
-inline uint16_t store(DType dt, float v) { return dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v); }
+inline uint16_t store(DType dt, float v) {
+  return dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+}
 
 template <bool kBf16>
 void accumulate_t(const uint8_t* const* rows, const float* weights, const uint8_t* weighted, int n, int64_t H,
@@ -94,8 +96,8 @@ uint16_t f16_round_exact_sum(uint16_t a, uint16_t b) {
     ulp = std::ldexp(1.0, e - 1 - 10);
   }
   if (m == 0.0) return std::signbit(s) ? 0x8000 : 0x0000;  // -0 only for (-0) + (-0)
-  const double q = std::nearbyint(m / ulp);  // round half to even (the default rounding mode)
-  const double r = q * ulp;                  // exactly representable in fp16 (65536 is excluded above)
+  const double q = std::nearbyint(m / ulp);                // round half to even (the default rounding mode)
+  const double r = q * ulp;  // exactly representable in fp16 (65536 is excluded above)
   const uint16_t bits = f32_to_f16(static_cast<float>(r));
   return s < 0 ? static_cast<uint16_t>(bits | 0x8000) : bits;
 }

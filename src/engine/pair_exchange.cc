@@ -5,7 +5,9 @@
 
 namespace epcomm::engine::v2 {
 
-static uint64_t pack_word(uint64_t seq, uint64_t w) { return engine::pack(seq, w); }
+static uint64_t pack_word(uint64_t seq, uint64_t w) {
+  return engine::pack(seq, w);
+}
 
 void pair_exchange(OpContext& ctx, const char* phase, int64_t n_send, int64_t n_recv, size_t rec_bytes,
                    const std::function<void(int64_t, uint8_t*)>& pack,
@@ -26,11 +28,13 @@ void pair_exchange(OpContext& ctx, const char* phase, int64_t n_send, int64_t n_
   std::atomic<uint64_t>& my_ready = ctx.control(me)->stage_ready;
   const std::atomic<uint64_t>& peer_ready = ctx.control(peer)->stage_ready;
   const std::atomic<uint64_t>& acked = ctx.cell(me, peer)->ack;  // written by the peer
-  std::atomic<uint64_t>& my_ack = ctx.cell(peer, me)->ack;        // written by us
+  std::atomic<uint64_t>& my_ack = ctx.cell(peer, me)->ack;       // written by us
 
   int64_t staged = 0, pulled = 0;
   // Half w % 2 is free once the peer has pulled window w - 2.
-  auto half_free = [&](int64_t w) { return w < 2 || acked.load(std::memory_order_acquire) >= pack_word(seq, w - 1); };
+  auto half_free = [&](int64_t w) {
+    return w < 2 || acked.load(std::memory_order_acquire) >= pack_word(seq, w - 1);
+  };
   ctx.run(
       phase,
       [&](bool& progressed) {
@@ -42,7 +46,8 @@ void pair_exchange(OpContext& ctx, const char* phase, int64_t n_send, int64_t n_
           ctx.signal(my_ready, pack_word(seq, staged), peer);
           progressed = true;
         }
-        while (pulled < peer_windows && peer_ready.load(std::memory_order_acquire) >= pack_word(seq, pulled + 1)) {
+        while (pulled < peer_windows &&
+               peer_ready.load(std::memory_order_acquire) >= pack_word(seq, pulled + 1)) {
           const uint8_t* src = theirs + static_cast<size_t>(pulled % 2) * half;
           const int64_t i0 = pulled * per_window, i1 = std::min(n_recv, i0 + per_window);
           for (int64_t i = i0; i < i1; ++i) unpack(i, src + static_cast<size_t>(i - i0) * stride);
@@ -50,8 +55,8 @@ void pair_exchange(OpContext& ctx, const char* phase, int64_t n_send, int64_t n_
           ctx.signal(my_ack, pack_word(seq, pulled), peer);
           progressed = true;
         }
-        const bool sent = staged == my_windows &&
-                          (my_windows == 0 || acked.load(std::memory_order_acquire) >= pack_word(seq, my_windows));
+        const bool sent = staged == my_windows && (my_windows == 0 || acked.load(std::memory_order_acquire) >=
+                                                                          pack_word(seq, my_windows));
         return sent && pulled == peer_windows;
       },
       [&] { return std::vector<int>{peer}; });

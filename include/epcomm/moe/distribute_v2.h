@@ -51,8 +51,8 @@ EpTpGroups make_ep_tp_groups(Group& world, int tp_world_size);
 // ---- Operators -----------------------------------------------------------------------------------------
 
 struct OpOptions {
-  std::string strict_hardware_limits;  // "", "A2", "A3" or "950" (§9)
-  int64_t hccl_buffsize_mb = 200;      // §9 window rule only; HCCL_BUFFSIZE is never read
+  std::string strict_hardware_limits;                // "", "A2", "A3" or "950" (§9)
+  int64_t hccl_buffsize_mb = 200;                    // §9 window rule only; HCCL_BUFFSIZE is never read
   std::optional<std::chrono::milliseconds> timeout;  // default: the group's timeout
 };
 
@@ -64,10 +64,10 @@ struct DispatchV2Args {
           expert_shard_type = 0, shared_expert_num = 1, shared_expert_rank_num = 0, quant_mode = 0,
           global_bs = 0, expert_token_nums_type = 1, zero_expert_num = 0, copy_expert_num = 0,
           const_expert_num = 0;
-  std::optional<DType> y_dtype;  // expand_x type for quant modes 1-4 (§5)
+  std::optional<DType> y_dtype;                // expand_x type for quant modes 1-4 (§5)
   std::optional<DType> x_dtype, scales_dtype;  // reserved: must be absent
-  std::optional<TensorView> expand_x_out, dynamic_scales_out, assist_info_for_combine_out, expert_token_nums_out,
-      ep_recv_counts_out, tp_recv_counts_out, expand_scales_out;
+  std::optional<TensorView> expand_x_out, dynamic_scales_out, assist_info_for_combine_out,
+      expert_token_nums_out, ep_recv_counts_out, tp_recv_counts_out, expand_scales_out;
 };
 
 // Outputs in the operator's order (§2.4). Absent caller buffers are allocated with the exact shape and
@@ -89,8 +89,8 @@ struct CombineV2Args {
       const_expert_v, performance_info;
   std::string group_ep, group_tp, comm_alg;
   int64_t ep_world_size = 0, ep_rank_id = 0, moe_expert_num = 0, tp_world_size = 0, tp_rank_id = 0,
-          expert_shard_type = 0, shared_expert_num = 1, shared_expert_rank_num = 0, global_bs = 0, out_dtype = 0,
-          comm_quant_mode = 0, group_list_type = 0, zero_expert_num = 0, copy_expert_num = 0,
+          expert_shard_type = 0, shared_expert_num = 1, shared_expert_rank_num = 0, global_bs = 0,
+          out_dtype = 0, comm_quant_mode = 0, group_list_type = 0, zero_expert_num = 0, copy_expert_num = 0,
           const_expert_num = 0;
   std::optional<TensorView> x_out;  // (Bs,H); (Bs,1,H) for combine_add_rms_norm
 };
@@ -106,7 +106,8 @@ struct CombineAddRmsNormArgs : CombineV2Args {
 struct CombineAddRmsNormResult {
   Tensor y, rstd, x;  // (Bs,1,H), (Bs,1,1) fp32, (Bs,1,H)
 };
-CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group, const CombineAddRmsNormArgs& args,
+CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group,
+                                             const CombineAddRmsNormArgs& args,
                                              const OpOptions& options = {});
 
 }  // namespace epcomm::moe
