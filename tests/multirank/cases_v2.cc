@@ -94,3 +94,70 @@ MR_CASE("v2_caller_buffers", {}) {
   run.caller_buffers = true;
   run_v2(g, run);
 }
+
+MR_CASE("v2_shared_experts", {false, 2}) {
+  // Shared-expert ranks first with replicas: every active token goes to every shared expert, source r using
+  // replica s·R + r % R; shared rows are unweighted in combine. Includes the spec's (W, Sr, S) = (8,4,2),
+  // (8,3,1), (6,2,2) when the world has that size, and shared_expert_x with no shared ranks.
+  V2Groups g = make_v2_groups(ctx, 0, 512 << 10);
+  const int W = ctx.size;
+  std::vector<std::pair<int, int>> layouts = {{1, 1}, {2, 2}, {2, 1}, {3, 1}, {4, 2}, {4, 4}};
+  uint64_t seed = 500;
+  for (auto [Sr, S] : layouts) {
+    if (Sr >= W) continue;
+    for (int L : {1, 2}) {
+      V2Spec s = base_spec(W, ++seed);
+      s.shared_ranks = Sr;
+      s.shared_num = S;
+      s.E = L * (W - Sr);
+      s.K = std::min(s.E, 1 + static_cast<int>(seed % 3));
+      s.H = seed % 2 ? 48 : 136;
+      s.bs = 3 + static_cast<int64_t>(seed % 11);
+      s.dtype = seed % 3 ? DType::bf16 : DType::f16;
+      s.mask_dims = static_cast<int>(seed % 3);
+      s.global_bs = seed % 4 == 1 ? 16 * W : 0;
+      V2Run run;
+      run.spec = s;
+      run.experts = seed % 2 ? V2Run::Experts::identity : V2Run::Experts::distinct;
+      run.rms_norm = seed % 3 == 0;
+      run_v2(g, run);
+    }
+  }
+  // No shared-expert ranks: shared_expert_x is added unweighted; shared_expert_num 0 and 1 both mean none.
+  for (int num : {0, 1}) {
+    V2Spec s = base_spec(W, ++seed);
+    s.shared_num = num;
+    s.E = 2 * W;
+    s.K = 2;
+    s.H = 64;
+    s.bs = 7;
+    V2Run run;
+    run.spec = s;
+    run.experts = V2Run::Experts::identity;
+    run.shared_x = true;
+    run.rms_norm = true;
+    run_v2(g, run);
+  }
+}
+
+MR_CASE("v2_masks", {}) {
+  // 1-D true-prefix masks (none, some, all active) and 2-D masks (partly and fully masked tokens, masked ids
+  // set to -1, out of range or duplicated: never read), with fixed and varying Bs.
+  V2Groups g = make_v2_groups(ctx, 0, 256 << 10);
+  const int W = ctx.size;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    V2Spec s = base_spec(W, 600 + seed);
+    s.mask_dims = seed % 2 ? 1 : 2;
+    s.E = (seed % 3 + 1) * W;
+    s.K = std::min(s.E, 4);
+    s.H = 40;
+    s.bs = 12;
+    s.global_bs = seed > 4 ? 12 * W : 0;
+    s.mask_prob = seed % 4 == 0 ? 0.2 : 0.7;
+    V2Run run;
+    run.spec = s;
+    run.experts = seed % 2 ? V2Run::Experts::identity : V2Run::Experts::distinct;
+    run.rms_norm = seed % 4 == 3;
+    run_v2(g, run);
+  }
+}
