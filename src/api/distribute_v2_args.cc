@@ -154,6 +154,8 @@ Routing read_routing(const Tensor& ids, const std::optional<Tensor>& mask, int64
   r.bs = ids.size(0);
   r.K = static_cast<int>(ids.size(1));
   const int K = r.K;
+  EPCOMM_CHECK(K >= 1 && K <= E, "argument: expert_ids: K = ", K,
+               " (columns) must lie in [1, moe_expert_num = ", E, "]");
   r.ids.assign(static_cast<size_t>(r.bs) * K, -1);
   r.active.assign(static_cast<size_t>(r.bs), 1);
   std::vector<uint8_t> slot_active(r.ids.size(), 1);
