@@ -161,3 +161,125 @@ MR_CASE("v2_masks", {}) {
     run_v2(g, run);
   }
 }
+
+MR_CASE("v2_tp_pairs", {false, 2}) {
+  // tp_world_size = 2 on a W × 2 grid (world rank = ep·2 + tp): the EP exchange first, then the pair's
+  // all-gather with own rows first; combine reduces the pair's rows first (identity experts return half a
+  // row on each TP rank, so the sum is exact). Shared ranks, masks, global_bs, quantization, comm_quant 2 and
+  // the fused RMSNorm ride along.
+  V2Groups g = make_v2_groups(ctx, 2, 256 << 10);
+  const int W = ctx.size / 2;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    V2Spec s = base_spec(W, 700 + seed);
+    s.T = 2;
+    s.shared_ranks = W >= 2 && seed % 3 == 0 ? 1 : 0;
+    s.E = W - s.shared_ranks;
+    s.K = 1;
+    s.H = seed % 2 ? 64 : 200;
+    s.bs = 2 + static_cast<int64_t>(seed % 7);
+    s.dtype = seed % 4 == 1 ? DType::f16 : DType::bf16;
+    s.mask_dims = static_cast<int>(seed % 3);
+    s.global_bs = seed % 4 == 2 ? 10 * W : 0;
+    s.tagged = true;
+    V2Run run;
+    run.experts = seed % 2 ? V2Run::Experts::identity : V2Run::Experts::distinct;
+    run.rms_norm = seed % 3 == 1;
+    if (seed == 6) {
+      s.quant_mode = 2;
+      run.experts = V2Run::Experts::distinct;
+    }
+    if (seed == 8) {
+      s.H = 64;
+      run.comm_quant = 2;
+    }
+    run.spec = s;
+    run_v2(g, run);
+  }
+}
+
+MR_CASE("v2_quant_modes", {}) {
+  // quant_mode 1-4 with every output dtype and smoothing kind (scalar, (H,), per-destination (S+E, H) table
+  // with shared experts), all-zero rows: expand_x and dynamic_scales bit for bit against the quantizers.
+  V2Groups g = make_v2_groups(ctx, 0, 512 << 10);
+  const int W = ctx.size;
+  struct Mode {
+    int mode;
+    std::optional<DType> y;
+    V2Spec::Smooth smooth;
+  };
+  const Mode modes[] = {
+      {1, std::nullopt, V2Spec::Smooth::scalar}, {1, DType::i8, V2Spec::Smooth::vector},
+      {1, std::nullopt, V2Spec::Smooth::table},  {2, std::nullopt, V2Spec::Smooth::none},
+      {2, DType::f8e4m3, V2Spec::Smooth::table}, {2, DType::f8e5m2, V2Spec::Smooth::none},
+      {3, std::nullopt, V2Spec::Smooth::none},   {3, DType::f8e5m2, V2Spec::Smooth::table},
+      {4, std::nullopt, V2Spec::Smooth::none},   {4, DType::f8e5m2, V2Spec::Smooth::none},
+      {2, DType::i8, V2Spec::Smooth::table},
+  };
+  uint64_t seed = 800;
+  for (const Mode& m : modes) {
+    V2Spec s = base_spec(W, ++seed);
+    s.quant_mode = m.mode;
+    s.y_dtype = m.y;
+    s.smooth = m.smooth;
+    s.shared_ranks = W >= 3 && seed % 2 ? 1 : 0;
+    s.E = 2 * (W - s.shared_ranks);
+    s.K = std::min(s.E, 3);
+    s.H = seed % 3 == 0 ? 300 : (seed % 3 == 1 ? 128 : 40);
+    s.bs = 6;
+    s.dtype = seed % 2 ? DType::bf16 : DType::f16;
+    s.tagged = seed % 4 == 0;
+    s.zero_rows = 4;
+    s.mask_dims = static_cast<int>(seed % 3);
+    V2Run run;
+    run.spec = s;
+    run.rms_norm = seed % 5 == 0;
+    run_v2(g, run);
+  }
+}
+
+MR_CASE("v2_comm_quant", {}) {
+  // combine comm_quant_mode 2 (int8 in groups of 8, bf16/fp16 scales): the origin's sum of the decoded rows
+  // against the spec's arithmetic, with shared experts, masks and all-zero expert rows.
+  V2Groups g = make_v2_groups(ctx, 0, 256 << 10);
+  const int W = ctx.size;
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    V2Spec s = base_spec(W, 900 + seed);
+    s.shared_ranks = W >= 2 && seed % 2 ? 1 : 0;
+    s.E = W - s.shared_ranks;
+    s.K = std::min(s.E, 2);
+    s.H = seed % 2 ? 64 : 1000;
+    s.bs = 7;
+    s.dtype = seed % 3 ? DType::bf16 : DType::f16;
+    s.mask_dims = static_cast<int>(seed % 3);
+    s.zero_rows = 3;
+    V2Run run;
+    run.spec = s;
+    run.comm_quant = 2;
+    run.experts = seed % 2 ? V2Run::Experts::identity : V2Run::Experts::distinct;
+    run.rms_norm = seed % 3 == 0;
+    run_v2(g, run);
+  }
+}
+
+MR_CASE("v2_add_rms_norm", {}) {
+  // combine_add_rms_norm: x = residual + combine sum (one rounding), rstd from the fp64 mean square, y with
+  // the intermediate rounding; bf16 and fp16, several eps, masked tokens give zeros.
+  V2Groups g = make_v2_groups(ctx, 0, 256 << 10);
+  const int W = ctx.size;
+  const float eps[] = {1e-6f, 0.0f, 0.5f};
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    V2Spec s = base_spec(W, 1000 + seed);
+    s.E = 2 * W;
+    s.K = 2;
+    s.H = seed % 2 ? 96 : 7;
+    s.bs = 5;
+    s.dtype = seed % 2 ? DType::bf16 : DType::f16;
+    s.mask_dims = static_cast<int>(seed % 3);
+    V2Run run;
+    run.spec = s;
+    run.rms_norm = true;
+    run.norm_eps = eps[seed % 3];
+    run.shared_x = seed % 2 == 0;
+    run_v2(g, run);
+  }
+}

@@ -223,6 +223,7 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
   if (s.quant_mode == 0 && s.tagged && s.H >= 4) {
     const auto assist = values_of<int32_t>(d.assist_info_for_combine);
     for (int64_t i = 0; i < ref.n_own; ++i) {
+      if (s.zero_rows > 0 && assist[3 * i + 1] % s.zero_rows == 0) continue;  // an all-zero token
       auto tag = decode_row_tag(d.expand_x.data_as<uint8_t>() + i * ref.data_bytes, s.H, s.dtype);
       REQUIRE(tag && tag->rank == assist[3 * i] * Tp + tp && tag->token == assist[3 * i + 1], where, "row ",
               i, " carries ",
