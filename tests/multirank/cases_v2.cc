@@ -1,7 +1,9 @@
 // multirank/cases_v2.cc — dispatch_v2 / combine_v2 / combine_add_rms_norm against the global reference:
 // EP layouts, shared experts, masks, global_bs, TP pairs, quantization, caller buffers.
 #include "multirank/v2_harness.h"
+#include "quant/block.h"
 #include "support/check.h"
+#include "support/ref_float.h"
 
 using namespace epcomm;
 using namespace epcomm::testing;
@@ -281,5 +283,69 @@ MR_CASE("v2_add_rms_norm", {}) {
     run.norm_eps = eps[seed % 3];
     run.shared_x = seed % 2 == 0;
     run_v2(g, run);
+  }
+}
+
+MR_CASE("v2_quant_identity", {}) {
+  // Quantized identity round trip (spec §11.7): dispatch in modes 2-4, dequantize expand_x (quant.md §4) into
+  // bf16 expert outputs, combine: calc_diff to x·Σw + S·x below 3e-3 (int8) or 2e-3 (fp8).
+  V2Groups g = make_v2_groups(ctx, 0, 1 << 20);
+  const int W = ctx.size;
+  struct Mode {
+    int mode;
+    DType y;
+    double limit;
+  };
+  const Mode modes[] = {
+      {2, DType::i8, 3e-3}, {2, DType::f8e4m3, 2e-3}, {3, DType::f8e4m3, 2e-3}, {4, DType::f8e4m3, 2e-3}};
+  uint64_t seed = 1100;
+  for (const Mode& m : modes) {
+    V2Spec s = base_spec(W, ++seed);
+    s.quant_mode = m.mode;
+    s.y_dtype = m.y;
+    s.shared_ranks = W >= 2 ? 1 : 0;
+    s.E = 2 * (W - s.shared_ranks);
+    s.K = std::min(s.E, 2);
+    s.H = 256;
+    s.bs = 16;
+    s.tagged = false;
+    const V2Problem P = make_v2_problem(s);
+    moe::DispatchV2Args a = dispatch_args(P, ctx.rank, 0);
+    moe::DispatchV2Result d = moe::dispatch_v2(*g.ep, nullptr, a);
+    const int64_t n = d.ep_recv_counts.data_as<int32_t>()[d.ep_recv_counts.numel() - 1];
+    const int64_t rows = d.expand_x.size(0), H = s.H;
+    std::vector<uint8_t> out(static_cast<size_t>(rows * H) * 2, 0);
+    std::vector<float> f(static_cast<size_t>(H));
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* q = d.expand_x.data_as<uint8_t>() + i * H;
+      if (m.mode == 2 && m.y == DType::i8)
+        quant::dequant_int8_per_token(reinterpret_cast<const int8_t*>(q),
+                                      d.dynamic_scales.data_as<float>()[i], H, f.data());
+      else if (m.mode == 2)
+        quant::dequant_fp8_per_token(quant::Fp8Format::e4m3, q, d.dynamic_scales.data_as<float>()[i], H,
+                                     f.data());
+      else if (m.mode == 3)
+        quant::dequant_fp8_per_group128(quant::Fp8Format::e4m3, q,
+                                        d.dynamic_scales.data_as<float>() + i * (H / 128), H, f.data());
+      else
+        quant::dequant_mx(quant::MxElem::e4m3, q,
+                          d.dynamic_scales.data_as<uint8_t>() + i * d.dynamic_scales.size(1), H, f.data());
+      for (int64_t h = 0; h < H; ++h) store_rounded(DType::bf16, f[h], out.data() + (i * H + h) * 2);
+    }
+    moe::CombineV2Args c = combine_args(P, ctx.rank, 0, d, out);
+    Tensor x = moe::combine_v2(*g.ep, nullptr, c);
+    const V2Rank& r = P.at(ctx.rank, 0);
+    std::vector<double> got, exact;
+    for (int64_t t = 0; t < r.bs; ++t) {
+      double wsum = 0;
+      for (int k = 0; k < s.K; ++k) wsum += r.weights[t * s.K + k];
+      for (int64_t h = 0; h < H; ++h) {
+        const double xv = load_f32(s.dtype, r.x.data(), t * H + h);
+        exact.push_back(xv * wsum + s.S() * xv);
+        got.push_back(load_f32(s.dtype, x.data_as<uint8_t>(), t * H + h));
+      }
+    }
+    const double diff = calc_diff(got, exact);
+    REQUIRE(diff < m.limit, "mode ", m.mode, " ", dtype_name(m.y), ": calc_diff = ", diff, " >= ", m.limit);
   }
 }
