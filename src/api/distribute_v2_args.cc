@@ -455,6 +455,9 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
   check_zero(a.zero_expert_num, "zero_expert_num");
   check_zero(a.copy_expert_num, "copy_expert_num");
   check_zero(a.const_expert_num, "const_expert_num");
+  EPCOMM_CHECK(a.comm_quant_mode != 3 && a.comm_quant_mode != 4,
+               "argument: comm_quant_mode: not supported by epcomm yet (MXFP8 combine, modes 3 and 4), got ",
+               a.comm_quant_mode);
   EPCOMM_CHECK(a.comm_quant_mode == 0 || a.comm_quant_mode == 2,
                "argument: comm_quant_mode: expected 0 or 2, got ", a.comm_quant_mode);
   EPCOMM_CHECK(a.comm_quant_mode != 2 || H % 8 == 0,

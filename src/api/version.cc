@@ -2,5 +2,7 @@
 #include "epcomm/version.h"
 
 namespace epcomm {
-const char* version() { return "0.1.0"; }
+const char* version() {
+  return "0.1.0";
+}
 }  // namespace epcomm

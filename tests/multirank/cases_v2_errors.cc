@@ -651,3 +651,153 @@ MR_CASE("v2_kill_rank", {true, 2, 1}) {
   }
   REQUIRE(seconds_since(t0) < timeout + 5, "failure took ", seconds_since(t0), " s");
 }
+
+MR_CASE("v2_strict_limits", {false, 2}) {
+  // strict_hardware_limits: a real A3 decode configuration runs; each rule rejects the first value past its
+  // boundary with "exceeds <product> limit" (every rank raises, nothing moves), and accepts the boundary.
+  if (ctx.size != 2) throw Skip("the limits below are worked out for ep_world_size = 2");
+  V2Groups g = make_v2_groups(ctx, 0, 4 << 20, 20);
+  auto a3_spec = [] {
+    V2Spec s = small_spec(2);
+    s.H = 7168;
+    s.bs = 16;
+    s.K = 8;
+    s.E = 16;
+    s.quant_mode = 2;
+    s.expert_scales = false;
+    s.shared_num = 0;
+    s.tagged = false;
+    return s;
+  };
+  auto options = [](const char* product, int64_t mb = 200) {
+    moe::OpOptions o;
+    o.strict_hardware_limits = product;
+    o.hccl_buffsize_mb = mb;
+    return o;
+  };
+  {  // Accepted: dispatch, combine and combine_add_rms_norm on A3 (bf16, no shared experts, tp <= 1).
+    V2Run run;
+    run.spec = a3_spec();
+    run.options = options("A3");
+    run.rms_norm = true;
+    run_v2(g, run, "A3 decode: ");
+  }
+  auto dispatch_fails = [&](const V2Spec& s, const moe::OpOptions& o, const char* rule,
+                            const std::function<void(moe::DispatchV2Args&)>& edit = {}) {
+    const V2Problem P = make_v2_problem(s);
+    moe::DispatchV2Args a = dispatch_args(P, ctx.rank, 0);
+    if (edit) edit(a);
+    expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a, o); }, ErrorCode::InvalidUsage,
+                 {"dispatch_v2#", "exceeds", o.strict_hardware_limits.c_str(), rule});
+  };
+  auto dispatch_runs = [&](const V2Spec& s, const moe::OpOptions& o) {
+    V2Run run;
+    run.spec = s;
+    run.options = o;
+    run.combine = false;
+    run_v2(g, run, "boundary: ");
+  };
+  {  // H in [1024, 8192].
+    V2Spec s = a3_spec();
+    s.H = 1023;
+    dispatch_fails(s, options("A3"), "H = 1023 outside [1024, 8192]");
+    s.H = 1024;
+    dispatch_runs(s, options("A3"));
+    s.H = 8193;
+    dispatch_fails(s, options("A3"), "H = 8193");
+  }
+  {  // Bs <= 512, K <= 16, E <= 1024.
+    V2Spec s = a3_spec();
+    s.H = 1024;
+    s.bs = 513;
+    dispatch_fails(s, options("A3"), "Bs = 513 outside [1, 512]");
+    s.bs = 4;
+    s.E = 34;
+    s.K = 17;
+    dispatch_fails(s, options("A3"), "K = 17 outside [1, 16]");
+    s.K = 16;
+    dispatch_runs(s, options("A3"));
+    s.E = 1026;
+    s.K = 2;
+    dispatch_fails(s, options("A3"), "moe_expert_num = 1026");
+  }
+  {  // Support limits: quant mode, expert_scales on dispatch, comm_alg, group names, fullmesh_v2 masks.
+    V2Spec s = a3_spec();
+    s.H = 1024;
+    s.bs = 4;
+    s.quant_mode = 1;
+    s.smooth = V2Spec::Smooth::scalar;
+    dispatch_fails(s, options("A3"), "quant_mode 1 not in {0, 2}");
+    s = a3_spec();
+    s.H = 1024;
+    s.expert_scales = true;
+    dispatch_fails(s, options("A3"), "expert_scales on dispatch must be absent");
+    dispatch_runs(s, options(""));  // no product: no limits
+    s.expert_scales = false;
+    dispatch_fails(s, options("A3"), "comm_alg", [](moe::DispatchV2Args& a) { a.comm_alg = "ring"; });
+    dispatch_fails(s, options("A3"), "group_ep length 0", [](moe::DispatchV2Args& a) { a.group_ep = ""; });
+    s.mask_dims = 2;
+    dispatch_fails(s, options("A3"), "fullmesh_v2 takes no 2-D",
+                   [](moe::DispatchV2Args& a) { a.comm_alg = "fullmesh_v2"; });
+  }
+  {  // The A3 window: 2·(maxBs·D·W·L + maxBs·C·(K+S)) = 14336·512 = 7·2^20 bytes exactly.
+    V2Spec s = a3_spec();
+    s.H = 1024;
+    s.bs = 512;
+    s.E = 2;
+    s.K = 1;
+    s.quant_mode = 0;
+    dispatch_runs(s, options("A3", 7));
+    dispatch_fails(s, options("A3", 6), "window");
+  }
+  {  // A2: H % 32, no shared experts; 950: comm_quant 2 is not one of its modes.
+    V2Spec s = a3_spec();
+    s.H = 1000;
+    s.bs = 4;
+    dispatch_fails(s, options("A2"), "H = 1000 is not a multiple of 32");
+    s.H = 1024;
+    dispatch_runs(s, options("A2"));
+    s.shared_ranks = 1;
+    s.shared_num = 1;
+    s.E = 8;
+    dispatch_fails(s, options("A2"), "no shared experts");
+    s = a3_spec();
+    s.H = 1024;
+    s.bs = 4;
+    s.quant_mode = 3;
+    dispatch_runs(s, options("950"));
+    V2Run run;
+    run.spec = s;
+    run.options = options("950");
+    run.comm_quant = 2;
+    try {
+      run_v2(g, run);
+      REQUIRE(false, "comm_quant_mode 2 must exceed the 950 limits");
+    } catch (const Error& e) {
+      REQUIRE(std::string(e.what()).find("exceeds 950 limit: comm_quant_mode 2") != std::string::npos,
+              e.what());
+    }
+  }
+  {  // combine_add_rms_norm on A3 needs bf16.
+    V2Spec s = a3_spec();
+    s.H = 1024;
+    s.bs = 4;
+    s.quant_mode = 0;
+    s.dtype = DType::f16;
+    V2Run run;
+    run.spec = s;
+    run.options = options("A3");
+    run.rms_norm = true;
+    try {
+      run_v2(g, run);
+      REQUIRE(false, "fp16 combine_add_rms_norm must exceed the A3 limits");
+    } catch (const Error& e) {
+      REQUIRE(std::string(e.what()).find("exceeds A3 limit: combine_add_rms_norm needs bf16") !=
+                  std::string::npos,
+              e.what());
+    }
+  }
+  V2Run run;
+  run.spec = small_spec(2);
+  run_v2(g, run, "after the strict checks: ");
+}

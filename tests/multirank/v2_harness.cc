@@ -175,7 +175,7 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
     add(a.tp_recv_counts_out, DType::i32, {s.T});
     add(a.expand_scales_out, DType::f32, {s.expert_scales ? ref.rows : 0});
   }
-  moe::DispatchV2Result d = moe::dispatch_v2(*g.ep, g.tp.get(), a);
+  moe::DispatchV2Result d = moe::dispatch_v2(*g.ep, g.tp.get(), a, run.options);
 
   const int64_t extra = run.caller_buffers ? 3 : 0;
   const int64_t valid = ref.n_own + ref.n_peer;
@@ -268,7 +268,7 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
     xbuf = std::make_unique<CallerBuffer>(s.dtype, Shape{r.bs, s.H}, 2);
     c.x_out = xbuf->t;
   }
-  Tensor x = moe::combine_v2(*g.ep, g.tp.get(), c);
+  Tensor x = moe::combine_v2(*g.ep, g.tp.get(), c, run.options);
   const V2CombineAcc acc = ref_combine_acc(P, refs, outs, ep, tp, run.comm_quant, run.shared_x);
   const std::vector<uint8_t> want = ref_round(P, acc);
   check_shape(where + "combine x", x, {r.bs + (run.caller_buffers ? 2 : 0), s.H});
@@ -303,7 +303,7 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
     n.residual_x = wrap(r.residual.data(), s.dtype, {r.bs, 1, s.H});
     n.gamma = wrap(P.gamma.data(), s.dtype, {s.H});
     n.norm_eps = run.norm_eps;
-    moe::CombineAddRmsNormResult nr = moe::combine_add_rms_norm(*g.ep, g.tp.get(), n);
+    moe::CombineAddRmsNormResult nr = moe::combine_add_rms_norm(*g.ep, g.tp.get(), n, run.options);
     const V2NormRef nref = ref_add_rms_norm(P, acc, r.residual, run.norm_eps);
     check_shape(where + "rms y", nr.y, {r.bs, 1, s.H});
     check_shape(where + "rms rstd", nr.rstd, {r.bs, 1, 1});

@@ -30,6 +30,7 @@ struct V2Run {
   bool caller_buffers = false;  // pass *_out buffers (larger than needed, filled with a sentinel)
   bool combine = true;
   float norm_eps = 1e-6f;
+  moe::OpOptions options;  // passed to every call
 };
 
 // One dispatch (+ combines) checked against the reference, every output bit for bit, tails included.
