@@ -244,6 +244,7 @@ int bench_rank(const BenchOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
 }  // namespace
 
 int run_bench(int argc, char** argv) {
+  if (take_api_flag(argc, argv) == "distribute-v2") return run_bench_v2(argc, argv);
   FlagParser p("epcomm bench", "epcomm bench [flags]",
                "Times dispatch and combine between local ranks; prints one JSON object per line (rank 0,\n"
                "stdout) for each operation and receive order. Progress lines go to stderr.");
