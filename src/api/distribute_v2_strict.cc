@@ -19,7 +19,8 @@ struct Limits {
   std::string comm_alg, group_ep, group_tp;
   enum class Op { dispatch, combine, add_rms_norm } op = Op::dispatch;
   int64_t bs = 0, H = 0, W = 0, E = 0, K = 0, L = 0, S = 0, Sr = 0, T = 0;  // T: tp_world_size as passed
-  int64_t global_bs = 0, max_bs = 0, A = 0;                                 // A: the largest capacity
+  int64_t global_bs = 0, max_bs = 0, A = 0;  // A: the largest capacity of any rank (window rules)
+  int64_t A_me = 0;                          // this rank's capacity (buffer rules)
   int64_t quant_mode = 0, comm_quant = 0, mask_dims = 0, MB = 200;
   bool dispatch_expert_scales = false;
   int64_t assist_elems = -1, expand_rows = -1;  // combine buffers (-1: dispatch)
@@ -43,11 +44,11 @@ void check_names(const Limits& l) {
 void check_combine_buffers(const Limits& l) {
   if (l.assist_elems < 0) return;
   const int64_t Tp = std::max<int64_t>(l.T, 1);
-  if (l.assist_elems < 128 * l.A)
+  if (l.assist_elems < 128 * l.A_me)
     exceed(l, epcomm::detail::cat("assist_info_for_combine has ", l.assist_elems,
-                                  " elements, below 128·A = ", 128 * l.A));
-  if (l.expand_rows < Tp * l.A)
-    exceed(l, epcomm::detail::cat("expand_x has ", l.expand_rows, " rows, below T·A = ", Tp * l.A));
+                                  " elements, below 128·A = ", 128 * l.A_me));
+  if (l.expand_rows < Tp * l.A_me)
+    exceed(l, epcomm::detail::cat("expand_x has ", l.expand_rows, " rows, below T·A = ", Tp * l.A_me));
 }
 
 void check_a3(const Limits& l) {
@@ -179,8 +180,8 @@ void check(const Limits& l) {
   if (l.product == "950") check_950(l);
 }
 
-Limits common(const OpOptions& o, const engine::v2::Layout& lay, const Routing& routing, int64_t H,
-              int64_t W_passed, int64_t T_passed, int64_t global_bs, const std::string& comm_alg,
+Limits common(const OpOptions& o, const engine::v2::Layout& lay, const Routing& routing, int64_t me,
+              int64_t H, int64_t W_passed, int64_t T_passed, int64_t global_bs, const std::string& comm_alg,
               const std::string& group_ep, const std::string& group_tp) {
   Limits l;
   l.product = o.strict_hardware_limits;
@@ -201,6 +202,7 @@ Limits common(const OpOptions& o, const engine::v2::Layout& lay, const Routing& 
   l.A = std::max(lay.G * std::min(lay.L, lay.K), lay.Sr > 0 ? lay.max_bs * ((lay.W + lay.R - 1) / lay.R) : 0);
   l.mask_dims = routing.mask_dims;
   l.MB = o.hccl_buffsize_mb;
+  l.A_me = lay.capacity(static_cast<int>(me));
   return l;
 }
 
@@ -209,8 +211,8 @@ Limits common(const OpOptions& o, const engine::v2::Layout& lay, const Routing& 
 void check_strict_dispatch(const OpOptions& o, const DispatchV2Args& a, const engine::v2::Layout& lay,
                            const Routing& routing, int64_t H) {
   if (o.strict_hardware_limits.empty()) return;
-  Limits l = common(o, lay, routing, H, a.ep_world_size, a.tp_world_size, a.global_bs, a.comm_alg, a.group_ep,
-                    a.group_tp);
+  Limits l = common(o, lay, routing, a.ep_rank_id, H, a.ep_world_size, a.tp_world_size, a.global_bs,
+                    a.comm_alg, a.group_ep, a.group_tp);
   l.op = Limits::Op::dispatch;
   l.quant_mode = a.quant_mode;
   l.dispatch_expert_scales = a.expert_scales.has_value();
@@ -221,8 +223,8 @@ void check_strict_dispatch(const OpOptions& o, const DispatchV2Args& a, const en
 void check_strict_combine(const OpOptions& o, const CombineV2Args& a, const engine::v2::Layout& lay,
                           const Routing& routing, int64_t H, DType dt, bool add_rms_norm) {
   if (o.strict_hardware_limits.empty()) return;
-  Limits l = common(o, lay, routing, H, a.ep_world_size, a.tp_world_size, a.global_bs, a.comm_alg, a.group_ep,
-                    a.group_tp);
+  Limits l = common(o, lay, routing, a.ep_rank_id, H, a.ep_world_size, a.tp_world_size, a.global_bs,
+                    a.comm_alg, a.group_ep, a.group_tp);
   l.op = add_rms_norm ? Limits::Op::add_rms_norm : Limits::Op::combine;
   l.comm_quant = a.comm_quant_mode;
   l.assist_elems = a.assist_info_for_combine.numel();
