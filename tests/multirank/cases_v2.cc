@@ -172,7 +172,7 @@ MR_CASE("v2_tp_pairs", {false, 2}) {
   // all-gather with own rows first; combine reduces the pair's rows first (identity experts return half a
   // row on each TP rank, so the sum is exact). Shared ranks, masks, global_bs, quantization, comm_quant 2 and
   // the fused RMSNorm ride along.
-  V2Groups g = make_v2_groups(ctx, 2, 256 << 10);
+  V2Groups g = make_v2_groups(ctx, 2, 160 << 10);
   const int W = ctx.size / 2;
   for (uint64_t seed = 1; seed <= 8; ++seed) {
     V2Spec s = base_spec(W, 700 + seed);

@@ -10,6 +10,7 @@
 #include "multirank/round_trip.h"
 #include "multirank/v2_harness.h"
 #include "support/check.h"
+#include "support/rng.h"
 
 using namespace epcomm;
 using namespace epcomm::testing;
@@ -800,4 +801,49 @@ MR_CASE("v2_strict_limits", {false, 2}) {
   V2Run run;
   run.spec = small_spec(2);
   run_v2(g, run, "after the strict checks: ");
+}
+
+MR_CASE("v2_tp_peer_abort", {false, 4}) {
+  // On a W × 2 grid, the last world rank passes an out-of-range id: it raises InvalidUsage; its EP group
+  // raises Aborted naming it (ep rank), its TP peer raises Aborted naming it (tp rank), and the other ranks
+  // raise Aborted because their own TP peers could not finish. Every group stays usable.
+  V2Groups g = make_v2_groups(ctx, 2, 256 << 10, 20);
+  V2Spec s = small_spec(g.ep->size());
+  s.T = 2;
+  s.E = s.W;
+  s.K = 1;
+  V2Problem P = make_v2_problem(s);
+  moe::DispatchV2Args a = dispatch_args(P, g.ep_rank, g.tp_rank);
+  std::vector<int32_t> bad(a.expert_ids.data_as<int32_t>(),
+                           a.expert_ids.data_as<int32_t>() + a.expert_ids.numel());
+  bad[0] = 999;
+  const int culprit = ctx.size - 1;
+  if (ctx.rank == culprit) a.expert_ids = Tensor::wrap(bad.data(), DType::i32, a.expert_ids.shape());
+  if (ctx.rank == culprit)
+    expect_error([&] { moe::dispatch_v2(*g.ep, g.tp.get(), a); }, ErrorCode::InvalidUsage, {"expert id 999"});
+  else
+    expect_error([&] { moe::dispatch_v2(*g.ep, g.tp.get(), a); }, ErrorCode::Aborted, {"peer failure"});
+  V2Run run;
+  run.spec = s;
+  run_v2(g, run, "after the TP abort: ");
+}
+
+MR_CASE("v2_shuffled_timing", {}) {
+  // Ranks arrive in a different, random order at every call (sleeps of 0-20 ms): outputs stay bit-identical
+  // to the reference (arrival order only changes which source is served first).
+  V2Groups g = make_v2_groups(ctx, 0, 160 << 10, 20);
+  for (uint64_t it = 0; it < 4; ++it) {
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(hash_mix(it, static_cast<uint64_t>(ctx.rank)) % 21));
+    V2Spec s = small_spec(ctx.size);
+    s.seed = 1300;
+    s.H = 300;
+    s.bs = 40;
+    s.E = 3 * ctx.size;
+    s.K = std::min(4, s.E);
+    V2Run run;
+    run.spec = s;
+    run.rms_norm = it % 2 == 1;
+    run_v2(g, run);
+  }
 }
