@@ -16,9 +16,10 @@ inline uint16_t store(DType dt, float v) {
   return dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
 }
 
+// Inlined into each clone of accumulate_rows, so that every ISA level gets its own vectorized loop.
 template <bool kBf16>
-void accumulate_t(const uint8_t* const* rows, const float* weights, const uint8_t* weighted, int n, int64_t H,
-                  float* acc) {
+[[gnu::always_inline]] inline void accumulate_t(const uint8_t* const* rows, const float* weights,
+                                                const uint8_t* weighted, int n, int64_t H, float* acc) {
   for (int64_t h = 0; h < H; ++h) acc[h] = 0.0f;
   for (int j = 0; j < n; ++j) {
     const uint16_t* r = reinterpret_cast<const uint16_t*>(rows[j]);
@@ -48,6 +49,9 @@ void accumulate_rows(DType dt, const uint8_t* const* rows, const float* weights,
     accumulate_t<false>(rows, weights, weighted, n, H, acc);
 }
 
+#if defined(__x86_64__)
+[[gnu::target_clones("avx512f", "avx2", "default")]]
+#endif
 void round_row(DType dt, const float* acc, int64_t H, uint8_t* out) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   if (dt == DType::bf16)
