@@ -392,3 +392,158 @@ MR_CASE("v2_worked_example", {false, 3}) {
   REQUIRE(d.expand_x.size(0) == capacity[ctx.rank], "A = ", d.expand_x.size(0));
   REQUIRE(d.assist_info_for_combine.numel() == 128 * capacity[ctx.rank], "assist size");
 }
+
+namespace {
+
+// W = 2, one expert per rank, every token to expert 0: rank 0 receives rank 0's row, then rank 1's.
+struct OneExpert {
+  std::vector<uint8_t> data, scales;  // rank 0's first two rows
+};
+OneExpert one_expert_dispatch(V2Groups& g, int rank, DType dt, const std::vector<float>& row, int mode,
+                              std::optional<DType> y, std::vector<float> scales = {}) {
+  const int64_t H = static_cast<int64_t>(row.size());
+  std::vector<uint8_t> x(row.size() * 2);
+  for (size_t h = 0; h < row.size(); ++h) store_rounded(dt, row[h], x.data() + 2 * h);
+  for (size_t h = 0; h < row.size(); ++h)
+    REQUIRE(load_f32(dt, x.data(), static_cast<int64_t>(h)) == row[h] || row[h] != row[h], "vector element ",
+            h, " is not exact in ", dtype_name(dt));
+  int32_t id = 0;
+  moe::DispatchV2Args a;
+  a.x = Tensor::wrap(x.data(), dt, {1, H});
+  a.expert_ids = Tensor::wrap(&id, DType::i32, {1, 1});
+  a.ep_world_size = 2;
+  a.ep_rank_id = rank;
+  a.moe_expert_num = 2;
+  a.quant_mode = mode;
+  a.y_dtype = y;
+  if (!scales.empty())
+    a.scales = Tensor::wrap(scales.data(), DType::f32, {static_cast<int64_t>(scales.size())});
+  moe::DispatchV2Result d = moe::dispatch_v2(*g.ep, nullptr, a);
+  OneExpert out;
+  if (rank == 0) {
+    const size_t db = static_cast<size_t>(H) * dtype_size(d.expand_x.dtype());
+    out.data.assign(d.expand_x.data_as<uint8_t>(), d.expand_x.data_as<uint8_t>() + 2 * db);
+    const size_t sb = d.dynamic_scales.nbytes() / static_cast<size_t>(d.dynamic_scales.size(0));
+    out.scales.assign(d.dynamic_scales.data_as<uint8_t>(), d.dynamic_scales.data_as<uint8_t>() + 2 * sb);
+  }
+  return out;
+}
+
+std::vector<uint8_t> bytes_of(std::initializer_list<int> v) {
+  std::vector<uint8_t> b;
+  for (int x : v) b.push_back(static_cast<uint8_t>(x));
+  return b;
+}
+std::vector<uint8_t> f32_bytes(std::initializer_list<uint32_t> bits) {
+  std::vector<uint8_t> b(bits.size() * 4);
+  size_t i = 0;
+  for (uint32_t u : bits) std::memcpy(b.data() + 4 * i++, &u, 4);
+  return b;
+}
+
+}  // namespace
+
+MR_CASE("v2_quant_vectors", {false, 2}) {
+  // quant.md §5's vectors through a W = 2, one-expert dispatch (modes 1-4), and combine comm_quant_mode 2
+  // against the values its §6 arithmetic gives by hand; all-zero rows and groups included.
+  if (ctx.size != 2) throw Skip("a two-rank case");
+  V2Groups g = make_v2_groups(ctx, 0);
+  const int r = ctx.rank;
+  const std::vector<float> row1 = {127, 2.5f, 3.5f, -2.5f, 0.5f, -0.5f, 1.5f, 126.5f};
+  const std::vector<float> row3 = {0.76953125f, -2.671875f, -0.1943359375f, -2.15625f,
+                                   3.34375f,    -3.625f,    -1.8125f,       -1.9609375f};
+  const std::vector<float> zeros(8, 0.0f);
+  {  // int8 per-token (§5.1 rows 1 and 3).
+    OneExpert o = one_expert_dispatch(g, r, DType::bf16, r == 0 ? row1 : row3, 2, DType::i8);
+    if (r == 0) {
+      check_equal("int8 codes", o.data,
+                  bytes_of({127, 2, 4, -2, 0, 0, 2, 126, 27, -94, -7, -76, 117, -127, -63, -69}));
+      check_equal("int8 scales", o.scales, f32_bytes({0x3f800000u, 0x3ce9d3a8u}));
+    }
+  }
+  {  // int8 all-zero row: codes 0, scale 0.
+    OneExpert o = one_expert_dispatch(g, r, DType::bf16, r == 0 ? zeros : row1, 2, std::nullopt);
+    if (r == 0) check_equal("zero-row scales", o.scales, f32_bytes({0u, 0x3f800000u}));
+  }
+  {  // fp8 per-token e4m3 and e5m2 (§5.2 r2), and per-group-128 a3 (one group).
+    OneExpert o = one_expert_dispatch(g, r, DType::bf16, row3, 2, DType::f8e4m3);
+    if (r == 0) {
+      check_equal("e4m3 codes", std::vector<uint8_t>(o.data.begin(), o.data.begin() + 8),
+                  bytes_of({0x6c, 0xfa, 0xdc, 0xf8, 0x7d, 0xfe, 0xf6, 0xf7}));
+      check_equal("e4m3 scales", o.scales, f32_bytes({0x3c049249u, 0x3c049249u}));
+    }
+    o = one_expert_dispatch(g, r, DType::bf16, row3, 2, DType::f8e5m2);
+    if (r == 0) {
+      check_equal("e5m2 codes", std::vector<uint8_t>(o.data.begin(), o.data.begin() + 8),
+                  bytes_of({0x72, 0xf9, 0xea, 0xf8, 0x7a, 0xfb, 0xf7, 0xf8}));
+      check_equal("e5m2 scales", o.scales, f32_bytes({0x38849249u, 0x38849249u}));
+    }
+    o = one_expert_dispatch(g, r, DType::bf16, r == 0 ? row3 : zeros, 3, std::nullopt);
+    if (r == 0) {
+      check_equal("group codes", std::vector<uint8_t>(o.data.begin(), o.data.begin() + 8),
+                  bytes_of({0x6c, 0xfa, 0xdc, 0xf8, 0x7d, 0xfe, 0xf6, 0xf7}));
+      check_equal("group zero codes", std::vector<uint8_t>(o.data.begin() + 8, o.data.end()),
+                  bytes_of({0, 0, 0, 0, 0, 0, 0, 0}));
+      check_equal("group scales", o.scales, f32_bytes({0x3c049249u, 0u}));
+    }
+  }
+  {  // MXFP8 e4m3 FLOOR (§5.3: the Ascend doc block, and vector D) from fp16 rows; scales padded to 2 bytes.
+    std::vector<float> b1(32, 0.0f);
+    b1[1] = 8;
+    b1[2] = 64;
+    b1[3] = 512;
+    std::vector<float> d(32);
+    for (int i = 0; i < 32; ++i) d[i] = static_cast<float>((((i % 16) * (i % 16)) % 17) - 8) * 60.25f;
+    OneExpert o = one_expert_dispatch(g, r, DType::f16, r == 0 ? b1 : d, 4, std::nullopt);
+    if (r == 0) {
+      std::vector<uint8_t> want(64, 0);
+      want[1] = 0x48;
+      want[2] = 0x60;
+      want[3] = 0x78;
+      const uint8_t dcodes[16] = {0xfe, 0xfd, 0xf7, 0x67, 0x7e, 0x00, 0xfb, 0x7d,
+                                  0x79, 0x79, 0x7d, 0xfb, 0x00, 0x7e, 0x67, 0xf7};
+      for (int i = 0; i < 32; ++i) want[32 + i] = dcodes[i % 16];
+      check_equal("mxfp8 codes", o.data, want);
+      check_equal("mxfp8 scales", o.scales, bytes_of({0x80, 0, 0x7f, 0}));
+    }
+  }
+  {  // Static int8 with a scalar: int8_sat(RNE(x · 0.5), -128, 127).
+    OneExpert o =
+        one_expert_dispatch(g, r, DType::bf16, {3, -3, 1, 255, -512, 0.5f, 0, 7}, 1, std::nullopt, {0.5f});
+    if (r == 0)
+      check_equal("static codes", std::vector<uint8_t>(o.data.begin(), o.data.begin() + 8),
+                  bytes_of({2, -2, 0, 127, -128, 0, 0, 4}));
+  }
+  {  // combine comm_quant_mode 2: the row comes back through int8 groups of 8 (hand-computed §6 values).
+    const std::vector<float> y0 = {127, 1, -0.5f, 63.5f, 0, 0, 0, 0};
+    const std::vector<float> y1 = {3, -1.5f, 0.25f, 2.75f, 0, 0, 0, 1};
+    const std::vector<float>& mine = r == 0 ? y0 : y1;
+    std::vector<uint8_t> x(16);
+    for (int h = 0; h < 8; ++h) store_rounded(DType::bf16, mine[h], x.data() + 2 * h);
+    int32_t id = 0;
+    float w = 1.0f;
+    moe::DispatchV2Args a;
+    a.x = Tensor::wrap(x.data(), DType::bf16, {1, 8});
+    a.expert_ids = Tensor::wrap(&id, DType::i32, {1, 1});
+    a.ep_world_size = 2;
+    a.ep_rank_id = r;
+    a.moe_expert_num = 2;
+    moe::DispatchV2Result d = moe::dispatch_v2(*g.ep, nullptr, a);
+    moe::CombineV2Args c;
+    c.expand_x = d.expand_x;  // identity experts
+    c.expert_ids = a.expert_ids;
+    c.assist_info_for_combine = d.assist_info_for_combine;
+    c.ep_send_counts = d.ep_recv_counts;
+    c.expert_scales = Tensor::wrap(&w, DType::f32, {1, 1});
+    c.ep_world_size = 2;
+    c.ep_rank_id = r;
+    c.moe_expert_num = 2;
+    c.comm_quant_mode = 2;
+    Tensor out = moe::combine_v2(*g.ep, nullptr, c);
+    const std::vector<uint16_t> want0 = {0x42fe, 0x3f80, 0x0000, 0x4280, 0, 0, 0, 0};
+    const std::vector<uint16_t> want1 = {0x4040, 0xbfc2, 0x3e85, 0x4030, 0, 0, 0, 0x3f7f};
+    check_equal("comm_quant 2 row",
+                std::vector<uint16_t>(out.data_as<uint16_t>(), out.data_as<uint16_t>() + 8),
+                r == 0 ? want0 : want1);
+  }
+}
