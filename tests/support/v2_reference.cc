@@ -328,6 +328,7 @@ V2DispatchRef ref_dispatch_v2(const V2Problem& p, int ep, int tp) {
 uint16_t ref_f16_exact_add(uint16_t a, uint16_t b) {
   const double sum = static_cast<double>(f16_to_f32(a)) + static_cast<double>(f16_to_f32(b));
   if (std::isnan(sum)) return 0x7E00;
+  if (std::fabs(sum) >= 65520.0) return sum < 0 ? 0xFC00 : 0x7C00;  // rounds past the largest finite value
   // Candidates around the single-rounded fp32 value; pick the nearest fp16, ties to the even code.
   const uint16_t c = f32_to_f16(static_cast<float>(sum));
   uint16_t best = c;
