@@ -173,7 +173,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
 
   // Expert outputs: the dispatched rows, dequantized once.
   const int64_t n_own = d.ep_recv_counts.data_as<int32_t>()[d.ep_recv_counts.numel() - 1];
-  Tensor experts_out = empty(o.dtype, {d.expand_x.size(0), H});
+  Tensor experts_out = empty(o.dtype, {n_own, H});  // combine reads only the first n_own rows
   std::memset(experts_out.data(), 0, experts_out.nbytes());
   std::vector<float> f(static_cast<size_t>(H));
   for (int64_t i = 0; i < n_own; ++i) {
