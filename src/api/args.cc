@@ -11,9 +11,7 @@
 namespace epcomm {
 namespace {
 
-std::string describe(const Tensor& t) {
-  return detail::cat(dtype_name(t.dtype()), shape_str(t.shape()));
-}
+std::string describe(const Tensor& t) { return detail::cat(dtype_name(t.dtype()), shape_str(t.shape())); }
 
 void check_shape(const Tensor& t, const char* name, const Shape& expected, const char* meaning) {
   EPCOMM_CHECK(t.shape() == expected, "argument: ", name, ": shape ", shape_str(t.shape()), ", expected ",
@@ -35,15 +33,11 @@ void check_contiguous(const Tensor& t, const char* name) {
 
 int64_t read_int(const Tensor& t, int64_t i) {
   switch (t.dtype()) {
-    case DType::i64:
-      return t.data_as<int64_t>()[i];
-    case DType::i32:
-      return t.data_as<int32_t>()[i];
+    case DType::i64: return t.data_as<int64_t>()[i];
+    case DType::i32: return t.data_as<int32_t>()[i];
     case DType::boolean:
-    case DType::u8:
-      return t.data_as<uint8_t>()[i];
-    default:
-      return 0;
+    case DType::u8: return t.data_as<uint8_t>()[i];
+    default: return 0;
   }
 }
 
@@ -52,9 +46,8 @@ template <typename V>
 void check_equal_layout(const Tensor& t, const char* name, const std::vector<V>& expected) {
   for (size_t i = 0; i < expected.size(); ++i) {
     int64_t v = read_int(t, static_cast<int64_t>(i));
-    EPCOMM_CHECK(v == static_cast<int64_t>(expected[i]), "argument: ", name,
-                 " disagrees with topk_idx at index ", i, ": got ", v, ", topk_idx gives ",
-                 static_cast<int64_t>(expected[i]));
+    EPCOMM_CHECK(v == static_cast<int64_t>(expected[i]), "argument: ", name, " disagrees with topk_idx at index ", i,
+                 ": got ", v, ", topk_idx gives ", static_cast<int64_t>(expected[i]));
   }
 }
 
@@ -87,13 +80,12 @@ const Handle::Impl& own_handle(const Buffer::Impl& b, const std::shared_ptr<cons
 }
 
 [[noreturn]] void bad_tuple(const Payload& x) {
-  EPCOMM_THROW(
-      InvalidUsage,
-      "argument: x: a (data, scales) tuple must be one of: (i8 [T,H], f32 [T]) int8; (f8e4m3 [T,H], f32 [T]) "
-      "pertoken_fp8_e4m3; (f8e4m3 [T,H], f32 [T, ceil(H/128)]) pergroup_fp8_e4m3; (f8e4m3 or f8e5m2 [T,H], "
-      "e8m0 [T, H/32] or [T*H/32]) mx_fp8_e4m3/mx_fp8_e5m2; (f4x2 [T,H/2], e8m0 [T, H/32] or [T*H/32]) "
-      "mx_fp4_e2m1; got (",
-      describe(x.data), ", ", describe(*x.scales), ")");
+  EPCOMM_THROW(InvalidUsage,
+               "argument: x: a (data, scales) tuple must be one of: (i8 [T,H], f32 [T]) int8; (f8e4m3 [T,H], f32 [T]) "
+               "pertoken_fp8_e4m3; (f8e4m3 [T,H], f32 [T, ceil(H/128)]) pergroup_fp8_e4m3; (f8e4m3 or f8e5m2 [T,H], "
+               "e8m0 [T, H/32] or [T*H/32]) mx_fp8_e4m3/mx_fp8_e5m2; (f4x2 [T,H/2], e8m0 [T, H/32] or [T*H/32]) "
+               "mx_fp4_e2m1; got (",
+               describe(x.data), ", ", describe(*x.scales), ")");
 }
 
 // Pre-quantized (data, scales): the mode follows from dtypes and shapes (§4.6 table).
@@ -162,8 +154,7 @@ engine::RowFormat infer_tuple(const Payload& x, int64_t& hidden, int64_t& st0, i
 void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
   const Tensor& x = a.x.data;
   EPCOMM_CHECK(x.defined(), "argument: x: expected a [num_tokens, hidden] tensor, got None");
-  EPCOMM_CHECK(x.dim() == 2, "argument: x: expected a 2-D [num_tokens, hidden] tensor, got shape ",
-               shape_str(x.shape()));
+  EPCOMM_CHECK(x.dim() == 2, "argument: x: expected a 2-D [num_tokens, hidden] tensor, got shape ", shape_str(x.shape()));
   check_contiguous(x, "x");
   in.x = x.data_as<uint8_t>();
   in.x_dtype = x.dtype();
@@ -172,9 +163,9 @@ void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
   if (a.x.scales) {
     int64_t hidden = 0, st0 = 0, st1 = 0;
     in.format = infer_tuple(a.x, hidden, st0, st1);
-    EPCOMM_CHECK(!a.quant_mode || *a.quant_mode == in.format.mode,
-                 "argument: quant_mode = ", quant_mode_name(*a.quant_mode),
-                 " contradicts the (data, scales) tuple, which is ", quant_mode_name(in.format.mode));
+    EPCOMM_CHECK(!a.quant_mode || *a.quant_mode == in.format.mode, "argument: quant_mode = ",
+                 quant_mode_name(*a.quant_mode), " contradicts the (data, scales) tuple, which is ",
+                 quant_mode_name(in.format.mode));
     in.hidden = hidden;
     in.scales = a.x.scales->data_as<uint8_t>();
     in.scale_stride0 = st0;
@@ -211,15 +202,14 @@ void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
   f.scale_row_bytes = quant::row_scale_bytes(*mode, in.hidden);
   f.scale_cols = static_cast<int64_t>(f.scale_row_bytes / dtype_size(f.scale_dtype));
   using SS = engine::RowFormat::ScaleShape;
-  f.scale_shape = *mode == QuantMode::pergroup_fp8_e4m3                                 ? SS::mat
+  f.scale_shape = *mode == QuantMode::pergroup_fp8_e4m3                              ? SS::mat
                   : (*mode == QuantMode::int8 || *mode == QuantMode::pertoken_fp8_e4m3) ? SS::vec
-                                                                                        : SS::flat;
+                                                                                       : SS::flat;
 }
 
 }  // namespace
 
-void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
-                      ReceiveOrder& order) {
+void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in, ReceiveOrder& order) {
   const int R = b.num_ranks;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
@@ -228,10 +218,8 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     in.cost_stats = a.dispatch_wait_recv_cost_stats;
     in.keep.push_back(*a.dispatch_wait_recv_cost_stats);
   }
-  EPCOMM_CHECK(a.expert_alignment >= 1, "argument: expert_alignment: expected >= 1, got ",
-               a.expert_alignment);
-  EPCOMM_CHECK(a.num_worst_tokens >= 0, "argument: num_worst_tokens: expected >= 0, got ",
-               a.num_worst_tokens);
+  EPCOMM_CHECK(a.expert_alignment >= 1, "argument: expert_alignment: expected >= 1, got ", a.expert_alignment);
+  EPCOMM_CHECK(a.num_worst_tokens >= 0, "argument: num_worst_tokens: expected >= 0, got ", a.num_worst_tokens);
 
   if (a.handle) {  // cached re-dispatch (§4.7)
     const Handle::Impl& hd = own_handle(b, a.handle);
@@ -247,14 +235,11 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
                                {"num_tokens_per_expert", a.num_tokens_per_expert.has_value()}})
       EPCOMM_CHECK(!given, "argument: ", name, " must be None for a cached dispatch (handle given)");
     EPCOMM_CHECK(a.expert_alignment == 1 || a.expert_alignment == hd.expert_alignment,
-                 "argument: expert_alignment = ", a.expert_alignment, " differs from the handle's ",
-                 hd.expert_alignment);
-    EPCOMM_CHECK(a.num_worst_tokens == 0 || a.num_worst_tokens == hd.num_worst_tokens,
-                 "argument: num_worst_tokens = ", a.num_worst_tokens, " differs from the handle's ",
-                 hd.num_worst_tokens);
-    EPCOMM_CHECK(!a.receive_order || *a.receive_order == hd.order,
-                 "argument: receive_order = ", receive_order_name(*a.receive_order),
-                 " differs from the handle's ", receive_order_name(hd.order));
+                 "argument: expert_alignment = ", a.expert_alignment, " differs from the handle's ", hd.expert_alignment);
+    EPCOMM_CHECK(a.num_worst_tokens == 0 || a.num_worst_tokens == hd.num_worst_tokens, "argument: num_worst_tokens = ",
+                 a.num_worst_tokens, " differs from the handle's ", hd.num_worst_tokens);
+    EPCOMM_CHECK(!a.receive_order || *a.receive_order == hd.order, "argument: receive_order = ",
+                 receive_order_name(*a.receive_order), " differs from the handle's ", receive_order_name(hd.order));
     select_format(a, in);
     EPCOMM_CHECK_EQ(a.x.data.size(0), hd.num_tokens, "argument: x: rows must equal handle.num_tokens");
     in.num_tokens = hd.num_tokens;
@@ -277,19 +262,15 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   EPCOMM_CHECK(a.topk_idx.has_value() == a.topk_weights.has_value(),
                "argument: topk_idx and topk_weights must be given together (got topk_idx ",
                a.topk_idx ? "given" : "None", ", topk_weights ", a.topk_weights ? "given" : "None", ")");
-  EPCOMM_CHECK(a.num_tokens_per_expert.has_value(),
-               "argument: num_tokens_per_expert: required for a fresh dispatch, got None");
+  EPCOMM_CHECK(a.num_tokens_per_expert.has_value(), "argument: num_tokens_per_expert: required for a fresh dispatch, got None");
   const Tensor& npe = *a.num_tokens_per_expert;
-  EPCOMM_CHECK(npe.dim() == 1,
-               "argument: num_tokens_per_expert: expected a 1-D [num_experts] tensor, got shape ",
+  EPCOMM_CHECK(npe.dim() == 1, "argument: num_tokens_per_expert: expected a 1-D [num_experts] tensor, got shape ",
                shape_str(npe.shape()));
   check_dtype(npe, "num_tokens_per_expert", {DType::i32, DType::i64});
   check_contiguous(npe, "num_tokens_per_expert");
   const int64_t E = npe.size(0);
-  EPCOMM_CHECK(E >= 1 && E % R == 0, "argument: num_experts = ", E,
-               " (from num_tokens_per_expert) must be a positive multiple of the number of ranks ", R);
-  EPCOMM_CHECK(E <= engine::kMaxExperts, "argument: num_experts = ", E, " exceeds the supported maximum ",
-               engine::kMaxExperts);
+  EPCOMM_CHECK(E >= 1 && E % R == 0, "argument: num_experts = ", E, " (from num_tokens_per_expert) must be a positive multiple of the number of ranks ", R);
+  EPCOMM_CHECK(E <= engine::kMaxExperts, "argument: num_experts = ", E, " exceeds the supported maximum ", engine::kMaxExperts);
   in.num_experts = static_cast<int>(E);
   routing::ExpertMap map{static_cast<int>(E), R, static_cast<int>(E / R)};
 
@@ -308,8 +289,7 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     in.num_topk = K;
     in.idx_dtype = ti.dtype();
     in.ids.resize(static_cast<size_t>(T) * K);
-    routing::normalize_topk_ids(ti.data(), ti.dtype() == DType::i64, T, K, static_cast<int>(E),
-                                in.ids.data());
+    routing::normalize_topk_ids(ti.data(), ti.dtype() == DType::i64, T, K, static_cast<int>(E), in.ids.data());
     in.weights.assign(tw.data_as<float>(), tw.data_as<float>() + T * K);
     auto lay = routing::compute_layout(in.ids.data(), T, K, map, b.node_of_rank, b.num_nodes);
     check_equal_layout(npe, "num_tokens_per_expert", lay.num_tokens_per_expert);
@@ -335,8 +315,7 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   } else {
     EPCOMM_CHECK(order == ReceiveOrder::rank_major,
                  "argument: receive_order = expert_major requires topk_idx and topk_weights (got None)");
-    EPCOMM_CHECK(a.is_token_in_rank.has_value(),
-                 "argument: is_token_in_rank: required without topk_idx, got None");
+    EPCOMM_CHECK(a.is_token_in_rank.has_value(), "argument: is_token_in_rank: required without topk_idx, got None");
     const Tensor& itr = *a.is_token_in_rank;
     check_shape(itr, "is_token_in_rank", {T, R}, "[num_tokens, num_ranks]");
     check_dtype(itr, "is_token_in_rank", {DType::boolean, DType::i32});
@@ -345,22 +324,19 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     in.tokens_per_rank.assign(R, 0);
     for (int64_t i = 0; i < T * R; ++i) {
       int64_t v = read_int(itr, i);
-      EPCOMM_CHECK(v == 0 || v == 1, "argument: is_token_in_rank[", i / R, ", ", i % R, "] = ", v,
-                   ", expected 0 or 1");
+      EPCOMM_CHECK(v == 0 || v == 1, "argument: is_token_in_rank[", i / R, ", ", i % R, "] = ", v, ", expected 0 or 1");
       in.in_rank[i] = static_cast<uint8_t>(v);
       in.tokens_per_rank[i % R] += static_cast<int32_t>(v);
     }
     if (a.num_tokens_per_rank) {
       check_shape(*a.num_tokens_per_rank, "num_tokens_per_rank", {R}, "[num_ranks]");
       check_dtype(*a.num_tokens_per_rank, "num_tokens_per_rank", {DType::i32, DType::i64});
-      check_equal_layout(*a.num_tokens_per_rank, "num_tokens_per_rank (column sums of is_token_in_rank)",
-                         in.tokens_per_rank);
+      check_equal_layout(*a.num_tokens_per_rank, "num_tokens_per_rank (column sums of is_token_in_rank)", in.tokens_per_rank);
     }
     in.pairs_per_expert.resize(E);
     for (int64_t e = 0; e < E; ++e) {
       int64_t v = read_int(npe, e);
-      EPCOMM_CHECK(v >= 0 && v < (int64_t{1} << 31), "argument: num_tokens_per_expert[", e, "] = ", v,
-                   ", expected 0 to 2^31 - 1");
+      EPCOMM_CHECK(v >= 0 && v < (int64_t{1} << 31), "argument: num_tokens_per_expert[", e, "] = ", v, ", expected 0 to 2^31 - 1");
       in.pairs_per_expert[e] = static_cast<int32_t>(v);
     }
   }
@@ -380,11 +356,10 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
     in.keep.push_back(*a.combine_send_cost_stats);
   }
   const Tensor& x = a.x;
-  EPCOMM_CHECK(x.defined() && x.dim() == 2,
-               "argument: x: expected a 2-D [handle.num_rows, hidden] tensor, got ",
+  EPCOMM_CHECK(x.defined() && x.dim() == 2, "argument: x: expected a 2-D [handle.num_rows, hidden] tensor, got ",
                x.defined() ? shape_str(x.shape()) : std::string("None"));
-  EPCOMM_CHECK(x.size(0) == hd.num_rows, "argument: x: shape ", shape_str(x.shape()), ", expected [",
-               hd.num_rows, ", hidden] = [handle.num_rows, hidden]");
+  EPCOMM_CHECK(x.size(0) == hd.num_rows, "argument: x: shape ", shape_str(x.shape()), ", expected [", hd.num_rows,
+               ", hidden] = [handle.num_rows, hidden]");
   check_dtype(x, "x", {DType::bf16, DType::f16, DType::f32});
   check_contiguous(x, "x");
   in.dtype = x.dtype();
@@ -396,8 +371,7 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   if (hd.order == ReceiveOrder::expert_major) {
     const float* w = hd.topk_weights.data();
     if (a.topk_weights) {
-      check_shape(*a.topk_weights, "topk_weights", {T, K},
-                  "[num_tokens, num_topk] on the origin rank (expert_major)");
+      check_shape(*a.topk_weights, "topk_weights", {T, K}, "[num_tokens, num_topk] on the origin rank (expert_major)");
       check_dtype(*a.topk_weights, "topk_weights", {DType::f32});
       check_contiguous(*a.topk_weights, "topk_weights");
       w = a.topk_weights->data_as<float>();
@@ -405,10 +379,8 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
     in.weights_used.resize(static_cast<size_t>(T) * K);
     for (int64_t i = 0; i < T * K; ++i) in.weights_used[i] = hd.topk_ids[i] >= 0 ? w[i] : 0.0f;
   } else if (a.topk_weights) {
-    EPCOMM_CHECK(K > 0,
-                 "argument: topk_weights: the dispatch had no top-k, so combine takes no topk_weights");
-    check_shape(*a.topk_weights, "topk_weights", {hd.num_rows, K},
-                "[handle.num_rows, num_topk] on the receiving rank (rank_major)");
+    EPCOMM_CHECK(K > 0, "argument: topk_weights: the dispatch had no top-k, so combine takes no topk_weights");
+    check_shape(*a.topk_weights, "topk_weights", {hd.num_rows, K}, "[handle.num_rows, num_topk] on the receiving rank (rank_major)");
     check_dtype(*a.topk_weights, "topk_weights", {DType::f32});
     check_contiguous(*a.topk_weights, "topk_weights");
     in.recv_weights = a.topk_weights->data_as<float>();
@@ -417,8 +389,8 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   auto bias = [&](const std::optional<Tensor>& t, const char* name) -> const uint8_t* {
     if (!t) return nullptr;
     check_shape(*t, name, {T, in.hidden}, "[num_tokens, hidden]");
-    EPCOMM_CHECK(t->dtype() == x.dtype(), "argument: ", name, ": dtype ", dtype_name(t->dtype()),
-                 ", expected x's dtype ", dtype_name(x.dtype()));
+    EPCOMM_CHECK(t->dtype() == x.dtype(), "argument: ", name, ": dtype ", dtype_name(t->dtype()), ", expected x's dtype ",
+                 dtype_name(x.dtype()));
     check_contiguous(*t, name);
     in.keep.push_back(*t);
     return t->data_as<uint8_t>();

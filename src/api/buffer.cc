@@ -29,12 +29,9 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   const std::string pre = detail::cat("epcomm[rank ", b.rank, "] Buffer: ");
   EPCOMM_CHECK(!options.low_latency_mode, pre, "argument: low_latency_mode=True is not supported by epcomm");
   EPCOMM_CHECK(!options.enable_shrink, pre, "argument: enable_shrink=True is not supported by epcomm");
-  EPCOMM_CHECK(options.num_nvl_bytes >= 0, pre, "argument: num_nvl_bytes: expected >= 0, got ",
-               options.num_nvl_bytes);
-  EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ",
-               options.num_rdma_bytes);
-  EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
-               " ranks are supported, got ", b.num_ranks);
+  EPCOMM_CHECK(options.num_nvl_bytes >= 0, pre, "argument: num_nvl_bytes: expected >= 0, got ", options.num_nvl_bytes);
+  EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ", options.num_rdma_bytes);
+  EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks, " ranks are supported, got ", b.num_ranks);
   b.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
   EPCOMM_CHECK(b.timeout_s > 0, pre, "argument: timeout_s: expected > 0, got ", b.timeout_s);
   b.nvl_bytes = options.num_nvl_bytes ? options.num_nvl_bytes : kDefaultSegmentBytes;
@@ -75,8 +72,7 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
     }
     return std::make_pair(differ, s);
   };
-  for (auto [name, field] : {std::pair<const char*, int64_t (*)(const Sizes&)>{
-                                 "num_nvl_bytes", [](const Sizes& s) { return s.nvl; }},
+  for (auto [name, field] : {std::pair<const char*, int64_t (*)(const Sizes&)>{"num_nvl_bytes", [](const Sizes& s) { return s.nvl; }},
                              {"num_rdma_bytes", [](const Sizes& s) { return s.rdma; }},
                              {"ranks_per_node", [](const Sizes& s) { return int64_t{s.rpn}; }}}) {
     auto [differ, s] = per_rank(field);
@@ -85,14 +81,11 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   EPCOMM_CHECK(b.num_nodes == 1, pre, "argument: the ranks span ", b.num_nodes,
                " nodes; internode dispatch (UCX) is not supported yet: run all ranks on one host with "
                "ranks_per_node = 0 or = the number of ranks");
-  const int64_t minimum =
-      static_cast<int64_t>(engine::control_bytes(R)) + 4 * static_cast<int64_t>(engine::kAlign);
+  const int64_t minimum = static_cast<int64_t>(engine::control_bytes(R)) + 4 * static_cast<int64_t>(engine::kAlign);
   EPCOMM_CHECK(b.nvl_bytes >= minimum, pre, "capacity: num_nvl_bytes = ", b.nvl_bytes,
-               " is below the control part of the segment plus 256 bytes (", minimum, " bytes for ", R,
-               " ranks)");
+               " is below the control part of the segment plus 256 bytes (", minimum, " bytes for ", R, " ranks)");
 
-  b.transport =
-      make_shm_transport(group->bootstrap(), static_cast<size_t>(b.nvl_bytes), group->next_instance());
+  b.transport = make_shm_transport(group->bootstrap(), static_cast<size_t>(b.nvl_bytes), group->next_instance());
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
   b.start_comm_thread();
 }
@@ -112,33 +105,18 @@ void Buffer::destroy() {
   impl_->destroyed = true;
 }
 
-int Buffer::rank() const {
-  return impl_->rank;
-}
-int Buffer::num_ranks() const {
-  return impl_->num_ranks;
-}
-int Buffer::num_nodes() const {
-  return impl_->num_nodes;
-}
+int Buffer::rank() const { return impl_->rank; }
+int Buffer::num_ranks() const { return impl_->num_ranks; }
+int Buffer::num_nodes() const { return impl_->num_nodes; }
 int Buffer::node_of(int r) const {
-  EPCOMM_CHECK(r >= 0 && r < impl_->num_ranks, "node_of: rank ", r, " is out of range [0, ", impl_->num_ranks,
-               ")");
+  EPCOMM_CHECK(r >= 0 && r < impl_->num_ranks, "node_of: rank ", r, " is out of range [0, ", impl_->num_ranks, ")");
   return impl_->node_of_rank[r];
 }
-ReceiveOrder Buffer::receive_order() const {
-  return impl_->options.receive_order;
-}
-double Buffer::timeout_s() const {
-  return impl_->timeout_s;
-}
-int64_t Buffer::num_nvl_bytes() const {
-  return impl_->nvl_bytes;
-}
+ReceiveOrder Buffer::receive_order() const { return impl_->options.receive_order; }
+double Buffer::timeout_s() const { return impl_->timeout_s; }
+int64_t Buffer::num_nvl_bytes() const { return impl_->nvl_bytes; }
 
-int Buffer::num_threads() {
-  return g_num_threads.load();
-}
+int Buffer::num_threads() { return g_num_threads.load(); }
 void Buffer::set_num_threads(int n) {
   EPCOMM_CHECK(n >= 0, "Buffer.set_num_threads: expected >= 0, got ", n);
   g_num_threads = n;
@@ -149,9 +127,7 @@ Config Buffer::get_dispatch_config(int num_ranks) {
   c.num_threads = num_threads();
   return c;
 }
-Config Buffer::get_combine_config(int num_ranks) {
-  return get_dispatch_config(num_ranks);
-}
+Config Buffer::get_combine_config(int num_ranks) { return get_dispatch_config(num_ranks); }
 
 // ---- communication thread ----------------------------------------------------------------------------
 
@@ -208,8 +184,8 @@ void Buffer::Impl::mark_failed(const std::string& message) {
 // Errors raised once data moves (after `on_shapes`), and timeouts, fail the Buffer and are published.
 template <typename Body>
 static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
-                                                  std::optional<EventOverlap> previous,
-                                                  std::string failed_message, Body body) {
+                                                  std::optional<EventOverlap> previous, std::string failed_message,
+                                                  Body body) {
   auto st = std::make_shared<detail::EventState>();
   b.enqueue([&b, s, kind, previous, failed_message, body, st]() mutable {
     engine::OpContext ctx(*b.transport, b.layout, s, kind, b.timeout_s);
@@ -258,11 +234,10 @@ LayoutResult Buffer::get_dispatch_layout(const Tensor& topk_idx, int num_experts
   if (previous_event) previous_event->wait();
   const std::string pre = detail::cat("epcomm[rank ", b.rank, "] get_dispatch_layout: ");
   try {
-    EPCOMM_CHECK(topk_idx.defined() && topk_idx.dim() == 2,
-                 "argument: topk_idx: expected a 2-D [num_tokens, num_topk] tensor, got ",
+    EPCOMM_CHECK(topk_idx.defined() && topk_idx.dim() == 2, "argument: topk_idx: expected a 2-D [num_tokens, num_topk] tensor, got ",
                  topk_idx.defined() ? shape_str(topk_idx.shape()) : std::string("None"));
-    EPCOMM_CHECK(topk_idx.dtype() == DType::i64 || topk_idx.dtype() == DType::i32,
-                 "argument: topk_idx: dtype ", dtype_name(topk_idx.dtype()), ", expected i64 or i32");
+    EPCOMM_CHECK(topk_idx.dtype() == DType::i64 || topk_idx.dtype() == DType::i32, "argument: topk_idx: dtype ",
+                 dtype_name(topk_idx.dtype()), ", expected i64 or i32");
     EPCOMM_CHECK(topk_idx.is_contiguous(), "argument: topk_idx must be contiguous");
     EPCOMM_CHECK(num_experts >= 1 && num_experts % b.num_ranks == 0, "argument: num_experts = ", num_experts,
                  " must be a positive multiple of the number of ranks ", b.num_ranks);
@@ -273,8 +248,7 @@ LayoutResult Buffer::get_dispatch_layout(const Tensor& topk_idx, int num_experts
   const int K = static_cast<int>(topk_idx.size(1));
   std::vector<int32_t> ids(static_cast<size_t>(T) * K);
   try {
-    routing::normalize_topk_ids(topk_idx.data(), topk_idx.dtype() == DType::i64, T, K, num_experts,
-                                ids.data());
+    routing::normalize_topk_ids(topk_idx.data(), topk_idx.dtype() == DType::i64, T, K, num_experts, ids.data());
   } catch (const Error& e) {
     throw Error(e.code(), pre + e.what());
   }
@@ -283,16 +257,13 @@ LayoutResult Buffer::get_dispatch_layout(const Tensor& topk_idx, int num_experts
   LayoutResult r;
   Allocator* a = b.allocator.get();
   r.num_tokens_per_rank = a->allocate(DType::i32, {b.num_ranks});
-  std::copy(lay.num_tokens_per_rank.begin(), lay.num_tokens_per_rank.end(),
-            r.num_tokens_per_rank.data_as<int32_t>());
+  std::copy(lay.num_tokens_per_rank.begin(), lay.num_tokens_per_rank.end(), r.num_tokens_per_rank.data_as<int32_t>());
   if (b.num_nodes > 1) {
     r.num_tokens_per_rdma_rank = a->allocate(DType::i32, {b.num_nodes});
-    std::copy(lay.num_tokens_per_node.begin(), lay.num_tokens_per_node.end(),
-              r.num_tokens_per_rdma_rank->data_as<int32_t>());
+    std::copy(lay.num_tokens_per_node.begin(), lay.num_tokens_per_node.end(), r.num_tokens_per_rdma_rank->data_as<int32_t>());
   }
   r.num_tokens_per_expert = a->allocate(DType::i32, {num_experts});
-  std::copy(lay.num_tokens_per_expert.begin(), lay.num_tokens_per_expert.end(),
-            r.num_tokens_per_expert.data_as<int32_t>());
+  std::copy(lay.num_tokens_per_expert.begin(), lay.num_tokens_per_expert.end(), r.num_tokens_per_expert.data_as<int32_t>());
   r.is_token_in_rank = a->allocate(DType::boolean, {T, b.num_ranks});
   std::copy(lay.is_token_in_rank.begin(), lay.is_token_in_rank.end(), r.is_token_in_rank.data_as<uint8_t>());
   return r;
@@ -300,17 +271,14 @@ LayoutResult Buffer::get_dispatch_layout(const Tensor& topk_idx, int num_experts
 
 // ---- dispatch ------------------------------------------------------------------------------------------
 
-static void allocate_dispatch_outputs(Buffer::Impl& b, const engine::DispatchInput& in,
-                                      engine::DispatchOutput& out) {
+static void allocate_dispatch_outputs(Buffer::Impl& b, const engine::DispatchInput& in, engine::DispatchOutput& out) {
   const int64_t rows = in.cached ? in.handle->num_rows : in.num_worst_tokens;
   const auto& f = in.format;
   Allocator& a = *b.allocator;
   out.recv_x.data = a.allocate(f.data_dtype, {rows, f.data_cols});
   if (f.scale_row_bytes) {
     using SS = engine::RowFormat::ScaleShape;
-    Shape ss = f.scale_shape == SS::vec   ? Shape{rows}
-               : f.scale_shape == SS::mat ? Shape{rows, f.scale_cols}
-                                          : Shape{rows * f.scale_cols};
+    Shape ss = f.scale_shape == SS::vec ? Shape{rows} : f.scale_shape == SS::mat ? Shape{rows, f.scale_cols} : Shape{rows * f.scale_cols};
     out.recv_x.scales = a.allocate(f.scale_dtype, ss);
   }
   if (in.cached) return;
@@ -352,8 +320,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     }
     if (early) allocate_dispatch_outputs(b, *in, *out);
   }
-  auto st = launch(b, s, cached ? engine::OpKind::cached_dispatch : engine::OpKind::dispatch,
-                   a.previous_event, verr ? std::string(verr->what()) : std::string(),
+  auto st = launch(b, s, cached ? engine::OpKind::cached_dispatch : engine::OpKind::dispatch, a.previous_event,
+                   verr ? std::string(verr->what()) : std::string(),
                    [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
                      engine::run_dispatch(ctx, *in, *out, on_shapes);
                    });
@@ -404,8 +372,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     if (hd.order == ReceiveOrder::expert_major || in->recv_weights)
       out->combined_topk_weights = b.allocator->allocate(DType::f32, {hd.num_tokens, hd.num_topk});
   }
-  auto st = launch(b, s, engine::OpKind::combine, a.previous_event,
-                   verr ? std::string(verr->what()) : std::string(),
+  auto st = launch(b, s, engine::OpKind::combine, a.previous_event, verr ? std::string(verr->what()) : std::string(),
                    [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
                      engine::run_combine(ctx, *in, *out, on_shapes);
                    });

@@ -10,9 +10,7 @@ namespace epcomm {
 
 void Config::validate() const {
   EPCOMM_CHECK(num_threads >= 0, "config.num_threads: expected >= 0, got ", num_threads);
-  auto chunk = [](const char* name, int v) {
-    EPCOMM_CHECK(v >= 1, "config.", name, ": expected >= 1, got ", v);
-  };
+  auto chunk = [](const char* name, int v) { EPCOMM_CHECK(v >= 1, "config.", name, ": expected >= 1, got ", v); };
   chunk("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens);
   chunk("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens);
   chunk("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens);
@@ -26,30 +24,24 @@ void Config::validate() const {
 }
 
 namespace {
-// Per-token record sizes of the two protocols (dispatch: payload + ids + weights; combine: one copy per
-// slot).
+// Per-token record sizes of the two protocols (dispatch: payload + ids + weights; combine: one copy per slot).
 int64_t data_bytes_for(int64_t row_bytes, int num_topk, int num_ranks, int64_t tokens) {
   using namespace engine;
   size_t meta = std::max<size_t>(static_cast<size_t>(num_topk) * 8, static_cast<size_t>(num_ranks));
   size_t d = dispatch_min_data_bytes(row_bytes, meta);
   size_t per_token_d = d / 2;  // one staged token per half
-  size_t c =
-      combine_min_data_bytes(row_bytes, std::max(num_topk, num_ranks), static_cast<size_t>(num_topk) * 4);
+  size_t c = combine_min_data_bytes(row_bytes, std::max(num_topk, num_ranks), static_cast<size_t>(num_topk) * 4);
   return static_cast<int64_t>(std::max(2 * per_token_d * tokens, c * tokens));
 }
 }  // namespace
 
 int64_t min_nvl_bytes(int64_t row_bytes, int num_topk, int num_ranks, int /*ranks_per_node*/) {
-  EPCOMM_CHECK(row_bytes >= 1 && num_topk >= 0 && num_ranks >= 1,
-               "min_nvl_bytes: row_bytes >= 1, num_topk >= 0 and num_ranks >= 1 required, got ", row_bytes,
-               ", ", num_topk, ", ", num_ranks);
-  return static_cast<int64_t>(engine::control_bytes(num_ranks)) +
-         data_bytes_for(row_bytes, num_topk, num_ranks, 1);
+  EPCOMM_CHECK(row_bytes >= 1 && num_topk >= 0 && num_ranks >= 1, "min_nvl_bytes: row_bytes >= 1, num_topk >= 0 and num_ranks >= 1 required, got ",
+               row_bytes, ", ", num_topk, ", ", num_ranks);
+  return static_cast<int64_t>(engine::control_bytes(num_ranks)) + data_bytes_for(row_bytes, num_topk, num_ranks, 1);
 }
 
-int64_t min_rdma_bytes(int64_t, int, int, int) {
-  return 0;
-}  // one node: no internode staging
+int64_t min_rdma_bytes(int64_t, int, int, int) { return 0; }  // one node: no internode staging
 
 int64_t Config::get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks, int /*ranks_per_node*/) const {
   validate();
@@ -58,8 +50,6 @@ int64_t Config::get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks, in
          data_bytes_for(hidden_bytes, 32, num_ranks, num_max_nvl_chunked_recv_tokens);
 }
 
-int64_t Config::get_rdma_buffer_size_hint(int64_t, int, int) const {
-  return 0;
-}
+int64_t Config::get_rdma_buffer_size_hint(int64_t, int, int) const { return 0; }
 
 }  // namespace epcomm

@@ -3,9 +3,7 @@
 
 namespace epcomm {
 
-EventOverlap::EventOverlap() : state_(std::make_shared<detail::EventState>()) {
-  state_->complete(nullptr);
-}
+EventOverlap::EventOverlap() : state_(std::make_shared<detail::EventState>()) { state_->complete(nullptr); }
 EventOverlap::EventOverlap(std::shared_ptr<detail::EventState> state) : state_(std::move(state)) {}
 
 void EventOverlap::wait() const {
@@ -14,12 +12,8 @@ void EventOverlap::wait() const {
   if (e) std::rethrow_exception(e);
 }
 
-bool EventOverlap::is_complete() const {
-  return !state_ || state_->is_complete();
-}
+bool EventOverlap::is_complete() const { return !state_ || state_->is_complete(); }
 
-std::exception_ptr EventOverlap::error() const {
-  return state_ ? state_->error() : nullptr;
-}
+std::exception_ptr EventOverlap::error() const { return state_ ? state_->error() : nullptr; }
 
 }  // namespace epcomm

@@ -3,44 +3,18 @@
 
 namespace epcomm {
 
-ReceiveOrder Handle::receive_order() const {
-  return impl_->order;
-}
-int64_t Handle::num_tokens() const {
-  return impl_->num_tokens;
-}
-int Handle::num_topk() const {
-  return impl_->num_topk;
-}
-int Handle::num_experts() const {
-  return impl_->num_experts;
-}
-int64_t Handle::num_recv_rows() const {
-  return impl_->num_recv_rows;
-}
-int64_t Handle::num_rows() const {
-  return impl_->num_rows;
-}
-std::vector<int64_t> Handle::num_recv_tokens_per_expert() const {
-  return impl_->list;
-}
-std::vector<int64_t> Handle::num_recv_pairs_per_expert() const {
-  return impl_->cnt;
-}
-std::vector<int64_t> Handle::num_recv_rows_per_source() const {
-  return impl_->rows_per_source;
-}
-Tensor Handle::recv_src_rank() const {
-  return impl_->recv_src_rank;
-}
-Tensor Handle::recv_src_token() const {
-  return impl_->recv_src_token;
-}
-Tensor Handle::recv_src_slot() const {
-  return impl_->recv_src_slot;
-}
-uint64_t Handle::dispatch_id() const {
-  return impl_->seq;
-}
+ReceiveOrder Handle::receive_order() const { return impl_->order; }
+int64_t Handle::num_tokens() const { return impl_->num_tokens; }
+int Handle::num_topk() const { return impl_->num_topk; }
+int Handle::num_experts() const { return impl_->num_experts; }
+int64_t Handle::num_recv_rows() const { return impl_->num_recv_rows; }
+int64_t Handle::num_rows() const { return impl_->num_rows; }
+std::vector<int64_t> Handle::num_recv_tokens_per_expert() const { return impl_->list; }
+std::vector<int64_t> Handle::num_recv_pairs_per_expert() const { return impl_->cnt; }
+std::vector<int64_t> Handle::num_recv_rows_per_source() const { return impl_->rows_per_source; }
+Tensor Handle::recv_src_rank() const { return impl_->recv_src_rank; }
+Tensor Handle::recv_src_token() const { return impl_->recv_src_token; }
+Tensor Handle::recv_src_slot() const { return impl_->recv_src_slot; }
+uint64_t Handle::dispatch_id() const { return impl_->seq; }
 
 }  // namespace epcomm

@@ -2,7 +2,5 @@
 #include "epcomm/version.h"
 
 namespace epcomm {
-const char* version() {
-  return "0.1.0";
-}
+const char* version() { return "0.1.0"; }
 }  // namespace epcomm

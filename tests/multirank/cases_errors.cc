@@ -17,8 +17,7 @@ struct Fixture {
   Buffer buf;
   LayoutResult lay;
   explicit Fixture(RankCtx& c, int64_t nvl = 4 << 20)
-      : ctx(c),
-        P(make_problem([&] {
+      : ctx(c), P(make_problem([&] {
           ProblemSpec s;
           s.num_ranks = c.size;
           s.num_experts = 4 * c.size;
@@ -127,8 +126,7 @@ ERROR_CASE("is_token_in_rank_mismatch") {
   std::memcpy(v.data(), f.lay.is_token_in_rank.data(), v.size());
   v[3 * ctx.size] ^= 1;
   a.is_token_in_rank = Tensor::wrap(v.data(), DType::boolean, {10, ctx.size});
-  f.bad_dispatch(
-      a, {"is_token_in_rank disagrees with topk_idx at index ", std::to_string(3 * ctx.size).c_str()});
+  f.bad_dispatch(a, {"is_token_in_rank disagrees with topk_idx at index ", std::to_string(3 * ctx.size).c_str()});
 }
 ERROR_CASE("expert_major_without_topk") {
   Fixture f(ctx);
@@ -172,9 +170,7 @@ ERROR_CASE("config_chunks") {
   Config c;
   c.num_max_nvl_chunked_send_tokens = 512;
   a.config = c;
-  f.bad_dispatch(
-      a,
-      {"config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens = 256, got 512"});
+  f.bad_dispatch(a, {"config.num_max_nvl_chunked_send_tokens: expected <= num_max_nvl_chunked_recv_tokens = 256, got 512"});
 }
 ERROR_CASE("cost_stats_shape") {
   Fixture f(ctx);
@@ -215,11 +211,9 @@ ERROR_CASE("combine_bias_shape") {
   c.handle = d.handle;
   c.x = d.recv_x.data;
   c.bias = Tensor::wrap(g_scratch.data(), DType::bf16, {10, 65});
-  expect_error([&] { f.buf.combine(c); }, ErrorCode::InvalidUsage,
-               {"bias: shape [10, 65], expected [10, 64]"});
+  expect_error([&] { f.buf.combine(c); }, ErrorCode::InvalidUsage, {"bias: shape [10, 65], expected [10, 64]"});
   c.bias = Tensor::wrap(g_scratch.data(), DType::f16, {10, 64});
-  expect_error([&] { f.buf.combine(c); }, ErrorCode::InvalidUsage,
-               {"bias: dtype f16, expected x's dtype bf16"});
+  expect_error([&] { f.buf.combine(c); }, ErrorCode::InvalidUsage, {"bias: dtype f16, expected x's dtype bf16"});
 }
 ERROR_CASE("combine_topk_weights_shape") {
   Fixture f(ctx);
@@ -228,8 +222,7 @@ ERROR_CASE("combine_topk_weights_shape") {
   c.handle = d.handle;
   c.x = d.recv_x.data;
   c.topk_weights = Tensor::wrap(g_scratch.data(), DType::f32, {10, 4});
-  expect_error([&] { f.buf.combine(c); }, ErrorCode::InvalidUsage,
-               {"topk_weights: shape [10, 4], expected [10, 3]"});
+  expect_error([&] { f.buf.combine(c); }, ErrorCode::InvalidUsage, {"topk_weights: shape [10, 4], expected [10, 3]"});
 }
 ERROR_CASE("handle_of_other_buffer") {
   Fixture f(ctx);
@@ -257,8 +250,7 @@ ERROR_CASE("segment_below_minimum") {
       std::string m = e.what();
       const std::string key = "the minimum for this call is ";
       auto pos = m.find(key);
-      REQUIRE(e.code() == ErrorCode::InvalidUsage && pos != std::string::npos &&
-                  m.find("num_nvl_bytes") != std::string::npos,
+      REQUIRE(e.code() == ErrorCode::InvalidUsage && pos != std::string::npos && m.find("num_nvl_bytes") != std::string::npos,
               "unexpected error: ", m);
       return std::stoll(m.substr(pos + key.size()));
     }
@@ -274,18 +266,14 @@ ERROR_CASE("segment_below_minimum") {
 ERROR_CASE("low_latency_mode") {
   BufferOptions o = test_options(1 << 20);
   o.low_latency_mode = true;
-  expect_error([&] { Buffer b(ctx.group, o); }, ErrorCode::InvalidUsage,
-               {"low_latency_mode", "not supported"});
+  expect_error([&] { Buffer b(ctx.group, o); }, ErrorCode::InvalidUsage, {"low_latency_mode", "not supported"});
 }
 ERROR_CASE("num_nvl_bytes_differ") {
   if (ctx.size < 2) throw Skip("needs 2 ranks");
   BufferOptions o = test_options((1 << 20) + 4096 * ctx.rank);
-  expect_error([&] { Buffer b(ctx.group, o); }, ErrorCode::InvalidUsage,
-               {"mismatch", "num_nvl_bytes", "rank 1 = "});
+  expect_error([&] { Buffer b(ctx.group, o); }, ErrorCode::InvalidUsage, {"mismatch", "num_nvl_bytes", "rank 1 = "});
 }
 ERROR_CASE("quant_mode_unknown_name") {
-  expect_error([&] { parse_quant_mode("fp7"); }, ErrorCode::InvalidUsage,
-               {"quant_mode", "mx_fp4_e2m1", "'fp7'"});
-  expect_error([&] { parse_receive_order("token_major"); }, ErrorCode::InvalidUsage,
-               {"receive_order", "'token_major'"});
+  expect_error([&] { parse_quant_mode("fp7"); }, ErrorCode::InvalidUsage, {"quant_mode", "mx_fp4_e2m1", "'fp7'"});
+  expect_error([&] { parse_receive_order("token_major"); }, ErrorCode::InvalidUsage, {"receive_order", "'token_major'"});
 }

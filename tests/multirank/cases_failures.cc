@@ -36,9 +36,7 @@ DispatchArgs args_of(const Problem& P, int r, const LayoutResult& lay) {
   return a;
 }
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
 
@@ -53,8 +51,7 @@ MR_CASE("mismatch", {false, 2}) {
   Problem Q = make_problem(small_spec(ctx));
   DispatchArgs a = args_of(Q, ctx.rank, lay);
   a.receive_order = ctx.rank == 0 ? ReceiveOrder::rank_major : ReceiveOrder::expert_major;
-  expect_error([&] { buf.dispatch(a); }, ErrorCode::InvalidUsage,
-               {"mismatch", "receive_order", "rank 0 = rank_major"});
+  expect_error([&] { buf.dispatch(a); }, ErrorCode::InvalidUsage, {"mismatch", "receive_order", "rank 0 = rank_major"});
   RoundTrip rt;
   rt.spec = small_spec(ctx);
   run_round_trip(ctx, buf, rt);
@@ -71,11 +68,9 @@ MR_CASE("peer_validation_abort", {false, 2}) {
   if (ctx.rank == 1) a.topk_weights = Tensor::wrap(w.data(), DType::f32, {12, 1});
   auto t0 = Clock::now();
   if (ctx.rank == 1)
-    expect_error([&] { buf.dispatch(a); }, ErrorCode::InvalidUsage,
-                 {"epcomm[rank 1] dispatch#1", "topk_weights: shape"});
+    expect_error([&] { buf.dispatch(a); }, ErrorCode::InvalidUsage, {"epcomm[rank 1] dispatch#1", "topk_weights: shape"});
   else
-    expect_error([&] { buf.dispatch(a); }, ErrorCode::Aborted,
-                 {"peer failure", "rank 1", "topk_weights: shape"});
+    expect_error([&] { buf.dispatch(a); }, ErrorCode::Aborted, {"peer failure", "rank 1", "topk_weights: shape"});
   REQUIRE(seconds_since(t0) < 10, "abort took ", seconds_since(t0), " s");
   RoundTrip rt;
   rt.spec = small_spec(ctx);
@@ -101,8 +96,7 @@ MR_CASE("timeout_names_missing_rank", {false, 2}) {
     REQUIRE(false, "dispatch must fail without rank ", missing);
   } catch (const Error& e) {
     std::string m = e.what();
-    REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "got ",
-            error_code_name(e.code()), ": ", m);
+    REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "got ", error_code_name(e.code()), ": ", m);
     REQUIRE(m.find("timeout") != std::string::npos && m.find("header exchange") != std::string::npos &&
                 m.find(epcomm::detail::cat("rank ", missing, " (last call seen: #0)")) != std::string::npos,
             "message: ", m);
@@ -110,8 +104,7 @@ MR_CASE("timeout_names_missing_rank", {false, 2}) {
   double took = seconds_since(t0);
   REQUIRE(took >= timeout * 0.9 && took < timeout + 3, "timeout after ", took, " s");
   // The Buffer failed: later calls raise Aborted quoting the first error.
-  expect_error([&] { buf.dispatch(args_of(P, ctx.rank, lay)); }, ErrorCode::Aborted,
-               {"failed earlier", "timeout"});
+  expect_error([&] { buf.dispatch(args_of(P, ctx.rank, lay)); }, ErrorCode::Aborted, {"failed earlier", "timeout"});
 }
 
 MR_CASE("kill_rank_during_dispatch", {true, 2, 1}) {
@@ -139,8 +132,7 @@ MR_CASE("kill_rank_during_dispatch", {true, 2, 1}) {
     REQUIRE(false, "the dispatches must fail once rank 1 is dead");
   } catch (const Error& e) {
     std::string m = e.what();
-    REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "got ",
-            error_code_name(e.code()), ": ", m);
+    REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "got ", error_code_name(e.code()), ": ", m);
     REQUIRE(m.find("rank 1") != std::string::npos, "error does not name rank 1: ", m);
   }
   REQUIRE(seconds_since(t0) < timeout + 5, "failure took ", seconds_since(t0), " s");
@@ -190,10 +182,9 @@ MR_CASE("cost_stats", {false, 2}) {
     for (int s = 0; s < ctx.size; ++s) REQUIRE(dst[s] >= prev[s], "statistics must not decrease");
     if (i == 2 && ctx.rank != late)
       for (int s = 0; s < ctx.size; ++s)
-        REQUIRE(s == late || dst[late] - prev[late] >= dst[s] - prev[s], "late rank ", late,
-                " is not the largest: ", dst[late] - prev[late], " vs rank ", s, " ", dst[s] - prev[s]);
-    if (i == 2 && ctx.rank != late)
-      REQUIRE(dst[late] - prev[late] >= 150000, "late rank waited only ", dst[late] - prev[late], " us");
+        REQUIRE(s == late || dst[late] - prev[late] >= dst[s] - prev[s], "late rank ", late, " is not the largest: ",
+                dst[late] - prev[late], " vs rank ", s, " ", dst[s] - prev[s]);
+    if (i == 2 && ctx.rank != late) REQUIRE(dst[late] - prev[late] >= 150000, "late rank waited only ", dst[late] - prev[late], " us");
     prev = dst;
     CombineArgs c;
     c.x = d.recv_x.data;

@@ -15,9 +15,8 @@ using namespace epcomm::testing;
 
 namespace {
 
-const QuantMode kModes[] = {
-    QuantMode::int8,        QuantMode::pertoken_fp8_e4m3, QuantMode::pergroup_fp8_e4m3,
-    QuantMode::mx_fp8_e4m3, QuantMode::mx_fp8_e5m2,       QuantMode::mx_fp4_e2m1};
+const QuantMode kModes[] = {QuantMode::int8,        QuantMode::pertoken_fp8_e4m3, QuantMode::pergroup_fp8_e4m3,
+                            QuantMode::mx_fp8_e4m3, QuantMode::mx_fp8_e5m2,       QuantMode::mx_fp4_e2m1};
 
 // Every rank's rows quantized: [T, data | scales] per rank, the record dispatch moves.
 std::vector<std::vector<uint8_t>> quantized_records(const Problem& P, QuantMode mode) {
@@ -55,12 +54,10 @@ void check_shapes(const Payload& recv, QuantMode mode, int64_t rows, int64_t H) 
   REQUIRE(recv.scales->dtype() == quant::scale_dtype(mode), "scale dtype ", dtype_name(recv.scales->dtype()));
   Shape data = {rows, mode == QuantMode::mx_fp4_e2m1 ? H / 2 : H};
   Shape scales = mode == QuantMode::int8 || mode == QuantMode::pertoken_fp8_e4m3 ? Shape{rows}
-                 : mode == QuantMode::pergroup_fp8_e4m3 ? Shape{rows, (H + 127) / 128}
-                                                        : Shape{rows * H / 32};
-  REQUIRE(recv.data.shape() == data, "data shape ", shape_str(recv.data.shape()), ", expected ",
-          shape_str(data));
-  REQUIRE(recv.scales->shape() == scales, "scales shape ", shape_str(recv.scales->shape()), ", expected ",
-          shape_str(scales));
+                 : mode == QuantMode::pergroup_fp8_e4m3                           ? Shape{rows, (H + 127) / 128}
+                                                                                  : Shape{rows * H / 32};
+  REQUIRE(recv.data.shape() == data, "data shape ", shape_str(recv.data.shape()), ", expected ", shape_str(data));
+  REQUIRE(recv.scales->shape() == scales, "scales shape ", shape_str(recv.scales->shape()), ", expected ", shape_str(scales));
 }
 
 }  // namespace
@@ -82,9 +79,8 @@ MR_CASE("dispatch_quant", {}) {
         s.random_bits = dt == DType::f32 && mode == QuantMode::int8;  // NaN/Inf/subnormal rows too
         const Problem P = make_problem(s);
         const int r = ctx.rank;
-        const std::string where =
-            epcomm::detail::cat("[", quant_mode_name(mode), " ", receive_order_name(order), " ",
-                                dtype_name(dt), " rank ", r, "]");
+        const std::string where = epcomm::detail::cat("[", quant_mode_name(mode), " ", receive_order_name(order), " ",
+                                                      dtype_name(dt), " rank ", r, "]");
         LayoutResult lay = buf.get_dispatch_layout(topk_idx_of(P, r), s.num_experts);
         DispatchArgs a;
         a.x.data = x_of(P, r);
@@ -101,8 +97,7 @@ MR_CASE("dispatch_quant", {}) {
         const RefDispatch place = ref_dispatch_placement(P, r, order, 4);
         const auto want = ref_place_rows(P, place, recs, db + sb);
         check_shapes(d.recv_x, mode, place.num_rows, s.hidden);
-        check_rows_equal(where + " recv (data|scales)", records_of(d.recv_x, db, sb), want, db + sb,
-                         DType::u8);
+        check_rows_equal(where + " recv (data|scales)", records_of(d.recv_x, db, sb), want, db + sb, DType::u8);
 
         // Cached re-dispatch quantizes the same way and lands rows in the same places.
         DispatchArgs ca;
@@ -110,8 +105,7 @@ MR_CASE("dispatch_quant", {}) {
         ca.handle = d.handle;
         ca.quant_mode = mode;
         DispatchResult cd = buf.dispatch(ca);
-        check_rows_equal(where + " cached recv (data|scales)", records_of(cd.recv_x, db, sb), want, db + sb,
-                         DType::u8);
+        check_rows_equal(where + " cached recv (data|scales)", records_of(cd.recv_x, db, sb), want, db + sb, DType::u8);
 
         // Tuple input: the same codes and scales, moved verbatim, mode inferred.
         if (dt == DType::bf16) {
@@ -123,8 +117,7 @@ MR_CASE("dispatch_quant", {}) {
           }
           DispatchArgs ta = a;
           ta.quant_mode.reset();
-          ta.x.data = Tensor::wrap(data.data(), quant::data_dtype(mode),
-                                   {T, mode == QuantMode::mx_fp4_e2m1 ? s.hidden / 2 : s.hidden});
+          ta.x.data = Tensor::wrap(data.data(), quant::data_dtype(mode), {T, mode == QuantMode::mx_fp4_e2m1 ? s.hidden / 2 : s.hidden});
           const int64_t G = mode == QuantMode::pergroup_fp8_e4m3 ? (s.hidden + 127) / 128 : s.hidden / 32;
           if (mode == QuantMode::int8 || mode == QuantMode::pertoken_fp8_e4m3)
             ta.x.scales = Tensor::wrap(scales.data(), DType::f32, {T});
@@ -142,8 +135,8 @@ MR_CASE("dispatch_quant", {}) {
         const auto mine = records_of(d.recv_x, db, sb);
         for (int64_t i = 0; i < rows; ++i)
           if (place.src_rank[i] >= 0)
-            quant::dequantize_row(mode, mine.data() + i * (db + sb), mine.data() + i * (db + sb) + db,
-                                  s.hidden, deq.data() + i * s.hidden);
+            quant::dequantize_row(mode, mine.data() + i * (db + sb), mine.data() + i * (db + sb) + db, s.hidden,
+                                  deq.data() + i * s.hidden);
         CombineArgs c;
         c.x = Tensor::wrap(deq.data(), DType::f32, {rows, s.hidden});
         c.handle = d.handle;
@@ -163,8 +156,7 @@ MR_CASE("dispatch_quant", {}) {
         }
         RefCombine rc = ref_combine(P, r, order, 4, 0, DType::f32, s.hidden, outs, nullptr,
                                     order == ReceiveOrder::rank_major ? &recv_w : nullptr, {}, 0);
-        check_rows_equal(where + " combine(dequantized)", tensor_bytes(cr.combined_x), rc.combined_x,
-                         s.hidden * 4, DType::f32);
+        check_rows_equal(where + " combine(dequantized)", tensor_bytes(cr.combined_x), rc.combined_x, s.hidden * 4, DType::f32);
       }
     }
   }
@@ -213,8 +205,7 @@ MR_CASE("dispatch_quant_priority", {}) {
   a.x.data = Tensor::wrap(q.data(), DType::i8, {P.ranks[ctx.rank].num_tokens, 64});
   a.x.scales = Tensor::wrap(sc.data(), DType::f32, {P.ranks[ctx.rank].num_tokens});
   a.quant_mode = QuantMode::mx_fp8_e4m3;
-  expect_error([&] { buf.dispatch(a); }, ErrorCode::InvalidUsage,
-               {"quant_mode = mx_fp8_e4m3 contradicts", "int8"});
+  expect_error([&] { buf.dispatch(a); }, ErrorCode::InvalidUsage, {"quant_mode = mx_fp8_e4m3 contradicts", "int8"});
   // MX needs hidden % 32 == 0.
   DispatchArgs m;
   std::vector<uint16_t> x(P.ranks[ctx.rank].num_tokens * 40);

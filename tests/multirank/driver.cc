@@ -53,14 +53,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (i + 1 >= argc) return usage();
-    if (a == "--case")
-      name = argv[++i];
-    else if (a == "--launcher")
-      launcher = argv[++i];
-    else if (a == "--np")
-      np = std::atoi(argv[++i]);
-    else
-      return usage();
+    if (a == "--case") name = argv[++i];
+    else if (a == "--launcher") launcher = argv[++i];
+    else if (a == "--np") np = std::atoi(argv[++i]);
+    else return usage();
   }
   auto it = cases().find(name);
   if (it == cases().end()) {

@@ -43,19 +43,20 @@ struct Skip : std::runtime_error {
 #define MR_CONCAT2(a, b) a##b
 #define MR_CONCAT(a, b) MR_CONCAT2(a, b)
 // MR_CASE(name, {options}) { body using `ctx` }
-#define MR_CASE(name, ...)                                                     \
-  static void MR_CONCAT(mr_body_, __LINE__)(::epcomm::testing::RankCtx & ctx); \
-  static ::epcomm::testing::Registrar MR_CONCAT(mr_reg_, __LINE__)(name, [] {  \
-    ::epcomm::testing::CaseInfo i __VA_ARGS__;                                 \
-    i.body = MR_CONCAT(mr_body_, __LINE__);                                    \
-    return i;                                                                  \
-  }());                                                                        \
+#define MR_CASE(name, ...)                                                                                   \
+  static void MR_CONCAT(mr_body_, __LINE__)(::epcomm::testing::RankCtx & ctx);                               \
+  static ::epcomm::testing::Registrar MR_CONCAT(mr_reg_, __LINE__)(                                          \
+      name, [] {                                                                                             \
+        ::epcomm::testing::CaseInfo i __VA_ARGS__;                                                           \
+        i.body = MR_CONCAT(mr_body_, __LINE__);                                                              \
+        return i;                                                                                            \
+      }());                                                                                                  \
   static void MR_CONCAT(mr_body_, __LINE__)([[maybe_unused]] ::epcomm::testing::RankCtx & ctx)
 
 // Fails the case with file:line, the condition and a message.
-#define REQUIRE(cond, ...)                                                                                 \
-  do {                                                                                                     \
-    if (!(cond))                                                                                           \
-      throw std::runtime_error(                                                                            \
-          ::epcomm::detail::cat(__FILE__, ":", __LINE__, ": REQUIRE(" #cond ") failed: ", ##__VA_ARGS__)); \
+#define REQUIRE(cond, ...)                                                                                     \
+  do {                                                                                                         \
+    if (!(cond))                                                                                               \
+      throw std::runtime_error(::epcomm::detail::cat(__FILE__, ":", __LINE__, ": REQUIRE(" #cond ") failed: ", \
+                                                     ##__VA_ARGS__));                                          \
   } while (0)

@@ -24,28 +24,22 @@ Tensor topk_idx_of(const Problem& p, int r) {
 }
 Tensor topk_weights_of(const Problem& p, int r) {
   auto& in = p.ranks[r];
-  return Tensor::wrap(const_cast<float*>(in.topk_weights.data()), DType::f32,
-                      {in.num_tokens, p.spec.num_topk});
+  return Tensor::wrap(const_cast<float*>(in.topk_weights.data()), DType::f32, {in.num_tokens, p.spec.num_topk});
 }
 
-void expect_error(const std::function<void()>& fn, ErrorCode code,
-                  std::initializer_list<const char*> keywords) {
+void expect_error(const std::function<void()>& fn, ErrorCode code, std::initializer_list<const char*> keywords) {
   try {
     fn();
   } catch (const Error& e) {
     std::string msg = e.what();
-    REQUIRE(e.code() == code, "expected ", error_code_name(code), ", got ", error_code_name(e.code()), ": ",
-            msg);
-    for (const char* k : keywords)
-      REQUIRE(msg.find(k) != std::string::npos, "message lacks '", k, "': ", msg);
+    REQUIRE(e.code() == code, "expected ", error_code_name(code), ", got ", error_code_name(e.code()), ": ", msg);
+    for (const char* k : keywords) REQUIRE(msg.find(k) != std::string::npos, "message lacks '", k, "': ", msg);
     return;
   }
   REQUIRE(false, "expected an epcomm::Error(", error_code_name(code), "), nothing was thrown");
 }
 
-static std::vector<uint8_t> bytes_of(const Tensor& t) {
-  return tensor_bytes(t);
-}
+static std::vector<uint8_t> bytes_of(const Tensor& t) { return tensor_bytes(t); }
 
 static void check_handle(const Handle& h, const RefDispatch& ref, const std::string& where) {
   check_scalar(where + " handle.num_recv_rows", h.num_recv_rows(), ref.num_recv_rows);
@@ -63,8 +57,7 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   const int r = ctx.rank, R = ctx.size;
   const int K = rt.spec.num_topk, E = rt.spec.num_experts;
   const bool topk = rt.spec.topk;
-  const std::string where =
-      epcomm::detail::cat("[", receive_order_name(rt.order), " seed ", rt.spec.seed, " rank ", r, "]");
+  const std::string where = epcomm::detail::cat("[", receive_order_name(rt.order), " seed ", rt.spec.seed, " rank ", r, "]");
 
   int64_t worst = rt.num_worst_tokens;
   if (worst < 0) {
@@ -119,8 +112,7 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     REQUIRE(!d.recv_topk_idx && !d.recv_topk_weights, "without top-k the top-k outputs must be None");
   }
   REQUIRE(d.num_recv_tokens_per_expert_list.has_value(), "list missing");
-  check_equal(where + " num_recv_tokens_per_expert_list", *d.num_recv_tokens_per_expert_list,
-              ref.result_list());
+  check_equal(where + " num_recv_tokens_per_expert_list", *d.num_recv_tokens_per_expert_list, ref.result_list());
   check_handle(*d.handle, ref, where);
 
   // Every rank's reference rows, for the combines.
@@ -149,18 +141,16 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     const bool rank_w = rt.order == ReceiveOrder::rank_major && topk;
     RefCombine rc = ref_combine(P, r, rt.order, rt.expert_alignment, worst, P.spec.dtype, P.spec.hidden, fed,
                                 nullptr, rank_w ? &recv_w : nullptr, {}, 0);
-    check_rows_equal(where + " combine(fed back) combined_x", bytes_of(cr.combined_x), rc.combined_x,
-                     row_bytes, P.spec.dtype);
+    check_rows_equal(where + " combine(fed back) combined_x", bytes_of(cr.combined_x), rc.combined_x, row_bytes,
+                     P.spec.dtype);
     REQUIRE(cr.combined_topk_weights.has_value() == rc.has_weights, "combined_topk_weights presence");
     if (rc.has_weights)
-      check_equal(where + " combine(fed back) combined_topk_weights",
-                  tensor_to_f32(*cr.combined_topk_weights), rc.combined_topk_weights, K);
+      check_equal(where + " combine(fed back) combined_topk_weights", tensor_to_f32(*cr.combined_topk_weights),
+                  rc.combined_topk_weights, K);
     if (rank_w) {  // feeding back recv_topk_weights returns the original weights, 0 at -1 slots
       std::vector<float> want(P.ranks[r].num_tokens * K);
-      for (size_t i = 0; i < want.size(); ++i)
-        want[i] = P.ranks[r].topk_idx[i] >= 0 ? P.ranks[r].topk_weights[i] : 0.0f;
-      check_equal(where + " rank_major weights round trip", tensor_to_f32(*cr.combined_topk_weights), want,
-                  K);
+      for (size_t i = 0; i < want.size(); ++i) want[i] = P.ranks[r].topk_idx[i] >= 0 ? P.ranks[r].topk_weights[i] : 0.0f;
+      check_equal(where + " rank_major weights round trip", tensor_to_f32(*cr.combined_topk_weights), want, K);
     }
   }
 
@@ -183,27 +173,25 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     CombineResult cr = buf.combine(c);
     RefCombine rc = ref_combine(P, r, rt.order, rt.expert_alignment, worst, cdt, H2, outs,
                                 explicit_w.empty() ? nullptr : &explicit_w, nullptr, {&b1, &b2}, 0);
-    check_rows_equal(where + " combine(distinct outputs, bias tuple) combined_x", bytes_of(cr.combined_x),
-                     rc.combined_x, H2 * dtype_size(cdt), cdt);
+    check_rows_equal(where + " combine(distinct outputs, bias tuple) combined_x", bytes_of(cr.combined_x), rc.combined_x,
+                     H2 * dtype_size(cdt), cdt);
     if (rc.has_weights)
-      check_equal(where + " combine(explicit weights) combined_topk_weights",
-                  tensor_to_f32(*cr.combined_topk_weights), rc.combined_topk_weights, K);
+      check_equal(where + " combine(explicit weights) combined_topk_weights", tensor_to_f32(*cr.combined_topk_weights),
+                  rc.combined_topk_weights, K);
   }
 
   // Cached re-dispatch of a new x (other hidden size and dtype) along the same routes.
   if (rt.cached) {
     const int64_t H3 = rt.spec.hidden + 8;
     std::vector<std::vector<uint8_t>> nx(R);
-    for (int s = 0; s < R; ++s)
-      nx[s] = make_random_rows(P.ranks[s].num_tokens, H3, DType::f32, rt.spec.seed + 100 + s);
+    for (int s = 0; s < R; ++s) nx[s] = make_random_rows(P.ranks[s].num_tokens, H3, DType::f32, rt.spec.seed + 100 + s);
     DispatchArgs ca;
     ca.x.data = Tensor::wrap(nx[r].data(), DType::f32, {P.ranks[r].num_tokens, H3});
     ca.handle = d.handle;
     ca.async_finish = rt.async;
     DispatchResult cd = buf.dispatch(ca);
     cd.event.wait();
-    REQUIRE(!cd.handle && !cd.recv_topk_idx && !cd.num_recv_tokens_per_expert_list,
-            "cached dispatch returns only recv_x");
+    REQUIRE(!cd.handle && !cd.recv_topk_idx && !cd.num_recv_tokens_per_expert_list, "cached dispatch returns only recv_x");
     auto want = ref_cached_dispatch(P, r, rt.order, rt.expert_alignment, worst, nx, H3 * 4);
     check_rows_equal(where + " cached recv_x", bytes_of(cd.recv_x.data), want, H3 * 4, DType::f32);
   }

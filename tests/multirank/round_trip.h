@@ -19,7 +19,7 @@ struct RoundTrip {
   bool pass_layout = true;       // pass num_tokens_per_rank / is_token_in_rank too
   bool cached = true;            // also run a cached re-dispatch with a new x (other H and dtype)
   DType combine_dtype = DType::bf16;
-  int64_t combine_hidden = 0;  // 0: same as spec.hidden
+  int64_t combine_hidden = 0;    // 0: same as spec.hidden
 };
 
 BufferOptions test_options(int64_t nvl_bytes = 8 << 20, double timeout_s = 60);
@@ -34,7 +34,6 @@ Tensor topk_idx_of(const Problem& p, int r);
 Tensor topk_weights_of(const Problem& p, int r);
 
 // Expects `fn` to throw epcomm::Error with `code` and every keyword in its message.
-void expect_error(const std::function<void()>& fn, ErrorCode code,
-                  std::initializer_list<const char*> keywords);
+void expect_error(const std::function<void()>& fn, ErrorCode code, std::initializer_list<const char*> keywords);
 
 }  // namespace epcomm::testing
