@@ -22,7 +22,14 @@ class OpContext {
   uint64_t seq() const { return seq_; }
   Transport& transport() const { return tp_; }
   const SegmentLayout& layout() const { return layout_; }
-  std::string prefix() const;  // "epcomm[rank r] dispatch#7: "
+  std::string prefix() const;  // "epcomm[rank r] dispatch#7: ", or the label set by set_naming
+  // Optional naming for groups whose ranks have another meaning (the operator family): `label` replaces
+  // the prefix, and `peer_word` ("rank" by default, e.g. "ep rank") names peers in timeouts and aborts.
+  void set_naming(std::string label, std::string peer_word) {
+    label_ = std::move(label);
+    peer_word_ = std::move(peer_word);
+  }
+  const std::string& peer_word() const { return peer_word_; }
 
   Control* control(int r) const { return reinterpret_cast<Control*>(tp_.segment(r) + layout_.control); }
   // The cell `writer` owns in `owner`'s segment.
@@ -95,6 +102,7 @@ class OpContext {
   double timeout_s_;
   std::vector<int> arrival_order_;
   mutable bool saw_peer_failure_ = false;
+  std::string label_, peer_word_ = "rank";
 };
 
 }  // namespace epcomm::engine

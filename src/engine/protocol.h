@@ -17,7 +17,14 @@ inline size_t align64(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
 }
 
-enum class OpKind : uint32_t { dispatch = 1, cached_dispatch = 2, combine = 3 };
+enum class OpKind : uint32_t {
+  dispatch = 1,
+  cached_dispatch = 2,
+  combine = 3,
+  dispatch_v2 = 4,  // the operator family (spec/distribute-v2.md)
+  combine_v2 = 5,
+  combine_add_rms_norm = 6,
+};
 const char* op_kind_name(OpKind op);
 
 // Flags of HeaderData::flags.

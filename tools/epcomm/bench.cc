@@ -302,6 +302,7 @@ int run_quantizer_bench(const FlagParser& p) {
 }  // namespace
 
 int run_bench(int argc, char** argv) {
+  if (take_api_flag(argc, argv) == "distribute-v2") return run_bench_v2(argc, argv);
   FlagParser p(
       "epcomm bench", "epcomm bench [flags]",
       "Times dispatch and combine between local ranks; prints one JSON object per line (rank 0,\n"

@@ -360,6 +360,7 @@ int demo_rank(const DemoOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
 }  // namespace
 
 int run_demo(int argc, char** argv) {
+  if (take_api_flag(argc, argv) == "distribute-v2") return run_demo_v2(argc, argv);
   FlagParser p("epcomm demo", "epcomm demo [flags]",
                "Runs one Mixture-of-Experts layer forward over local ranks and checks it against a dense\n"
                "single-process reference; prints PASS/FAIL, timings and load balance.");

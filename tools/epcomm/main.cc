@@ -22,9 +22,14 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"demo", "one MoE layer forward over local ranks, checked against a dense reference (PASS/FAIL)",
+    {"demo",
+     "one MoE layer forward over local ranks, checked against a dense reference (PASS/FAIL);\n"
+     "           --api distribute-v2: through dispatch_v2/combine_v2 with a shared expert",
      epcomm::cli::run_demo},
-    {"bench", "time dispatch and combine; one JSON object per line on stdout", epcomm::cli::run_bench},
+    {"bench",
+     "time dispatch and combine; one JSON object per line on stdout;\n"
+     "           --api distribute-v2: dispatch_v2/combine_v2 in the decode shape",
+     epcomm::cli::run_bench},
 };
 
 void print_help(FILE* out) {

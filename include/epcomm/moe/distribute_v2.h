@@ -1,0 +1,113 @@
+// epcomm/moe/distribute_v2.h — the operator family dispatch_v2 / combine_v2 / combine_add_rms_norm
+// (spec/distribute-v2.md): CANN's aclnnMoeDistribute*V2 semantics on CPUs, running on epcomm's engine.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "epcomm/buffer.h"
+#include "epcomm/error.h"
+#include "epcomm/tensor.h"
+
+namespace epcomm::moe {
+
+// epcomm has one tensor type: a Tensor is a (possibly non-owning) view. Inputs are read, never written;
+// caller output buffers (`*_out`) are written in place.
+using TensorView = Tensor;
+
+// ---- Groups and their communication context ------------------------------------------------------------
+//
+// The operators run on a Group (the EP group) and, with tp_world_size = 2, on a second Group of size 2 (the
+// TP pair). Each Group used by these operators owns one communication context: a shared-memory segment per
+// rank, a per-group call sequence number and a failed state (spec §2.3, §8.1). It is created collectively
+// on the group's first call, or beforehand with init_group_context (recommended: a rank that misses the very
+// first call is then reported by the operators' deadline instead of the bootstrap's). It lives as long as
+// the Group. Calls on one group are made from one thread at a time, in the same order on every rank.
+
+struct GroupContextOptions {
+  int64_t segment_bytes = 0;        // per rank; 0 = 64 MiB. Larger transfers move in rounds.
+  std::optional<double> timeout_s;  // the group's default deadline; default: EPCOMM_TIMEOUT_S, else 100
+};
+// Collective over `group`. Throws InvalidUsage when the group already has a context.
+void init_group_context(Group& group, const GroupContextOptions& options = {});
+// The group's default deadline in seconds (creates nothing; the default when no context exists yet).
+double group_timeout_s(Group& group);
+
+// Collective over `parent`: the ranks with the same `color` form a new Group, ranked by (key, parent rank).
+// All ranks must be on one host (a local bootstrap named after the parent's unique id).
+std::shared_ptr<Group> split_group(Group& parent, int color, int key);
+
+// The ep × tp grid of spec §2.3 over `world` (size W·T, T = max(tp_world_size, 1)): world rank w is ep rank
+// w / T and tp rank w % T (TP pairs are adjacent ranks). `tp` is null when T = 1. Collective over `world`.
+struct EpTpGroups {
+  std::shared_ptr<Group> ep, tp;
+  int ep_rank = 0, tp_rank = 0;
+};
+EpTpGroups make_ep_tp_groups(Group& world, int tp_world_size);
+
+// ---- Operators -----------------------------------------------------------------------------------------
+
+struct OpOptions {
+  std::string strict_hardware_limits;                // "", "A2", "A3" or "950" (§9)
+  int64_t hccl_buffsize_mb = 200;                    // §9 window rule only; HCCL_BUFFSIZE is never read
+  std::optional<std::chrono::milliseconds> timeout;  // default: the group's timeout
+};
+
+struct DispatchV2Args {
+  TensorView x, expert_ids;  // (Bs,H) bf16|fp16; (Bs,K) int32
+  std::optional<TensorView> scales, x_active_mask, expert_scales, elastic_info, performance_info;
+  std::string group_ep, group_tp, comm_alg;  // accepted and ignored (checked in strict mode)
+  int64_t ep_world_size = 0, ep_rank_id = 0, moe_expert_num = 0, tp_world_size = 0, tp_rank_id = 0,
+          expert_shard_type = 0, shared_expert_num = 1, shared_expert_rank_num = 0, quant_mode = 0,
+          global_bs = 0, expert_token_nums_type = 1, zero_expert_num = 0, copy_expert_num = 0,
+          const_expert_num = 0;
+  std::optional<DType> y_dtype;                // expand_x type for quant modes 1-4 (§5)
+  std::optional<DType> x_dtype, scales_dtype;  // reserved: must be absent
+  std::optional<TensorView> expand_x_out, dynamic_scales_out, assist_info_for_combine_out,
+      expert_token_nums_out, ep_recv_counts_out, tp_recv_counts_out, expand_scales_out;
+};
+
+// Outputs in the operator's order (§2.4). Absent caller buffers are allocated with the exact shape and
+// zero-filled; given ones are the same tensors, written in their valid part only.
+struct DispatchV2Result {
+  Tensor expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts,
+      expand_scales;
+};
+
+// Collective and blocking over ep_group (and tp_group when tp_world_size = 2; may be null otherwise).
+// Throws epcomm::Error: InvalidUsage (bad or mismatched arguments), Timeout, Aborted (spec §8).
+DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2Args& args,
+                             const OpOptions& options = {});
+
+struct CombineV2Args {
+  TensorView expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales;
+  std::optional<TensorView> tp_send_counts, x_active_mask, activation_scale, weight_scale, group_list,
+      expand_scales, shared_expert_x, elastic_info, ori_x, const_expert_alpha_1, const_expert_alpha_2,
+      const_expert_v, performance_info;
+  std::string group_ep, group_tp, comm_alg;
+  int64_t ep_world_size = 0, ep_rank_id = 0, moe_expert_num = 0, tp_world_size = 0, tp_rank_id = 0,
+          expert_shard_type = 0, shared_expert_num = 1, shared_expert_rank_num = 0, global_bs = 0,
+          out_dtype = 0, comm_quant_mode = 0, group_list_type = 0, zero_expert_num = 0, copy_expert_num = 0,
+          const_expert_num = 0;
+  std::optional<TensorView> x_out;  // (Bs,H); (Bs,1,H) for combine_add_rms_norm
+};
+
+// Returns x (Bs,H) in the expand_x dtype. Collective and blocking like dispatch_v2.
+Tensor combine_v2(Group& ep_group, Group* tp_group, const CombineV2Args& args, const OpOptions& options = {});
+
+struct CombineAddRmsNormArgs : CombineV2Args {
+  TensorView residual_x, gamma;  // (Bs,1,H), (H,); dtype of expand_x
+  float norm_eps = 1e-6f;
+  std::optional<TensorView> y_out, rstd_out;
+};
+struct CombineAddRmsNormResult {
+  Tensor y, rstd, x;  // (Bs,1,H), (Bs,1,1) fp32, (Bs,1,H)
+};
+CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group,
+                                             const CombineAddRmsNormArgs& args,
+                                             const OpOptions& options = {});
+
+}  // namespace epcomm::moe

@@ -1,0 +1,200 @@
+// api/distribute_v2.cc — dispatch_v2, combine_v2 and combine_add_rms_norm: validate on the caller's thread,
+// then run the engine's stages on the EP group's context (and the TP pair's), in the order of spec §4.3/§6:
+// dispatch = EP exchange then TP all-gather; combine = TP reduce then EP exchange. Calls are blocking.
+//
+// Failure rules (§8.1): a rank whose local checks fail publishes a failed header for the call on every group
+// the call uses, so the peers raise Aborted naming it, and every group stays usable. A stage that fails after
+// its data started moving, or times out, or sees a peer's failure, fails its group for good; the other group
+// of the call gets a failed header instead of silence.
+#include <memory>
+#include <mutex>
+
+#include "api/distribute_v2_args.h"
+#include "api/moe_context.h"
+#include "common/check.h"
+#include "engine/distribute_v2.h"
+
+namespace epcomm::moe {
+namespace {
+
+using engine::OpContext;
+using engine::OpKind;
+
+struct Stage {
+  GroupContext* group = nullptr;
+  std::unique_ptr<OpContext> ctx;
+  bool moving = false;
+  explicit operator bool() const { return ctx != nullptr; }
+};
+
+std::string label(const char* op, uint64_t seq, int ep, int tp, bool with_tp) {
+  if (with_tp) return epcomm::detail::cat("epcomm[ep ", ep, " tp ", tp, "] ", op, "#", seq, ": ");
+  return epcomm::detail::cat("epcomm[ep ", ep, "] ", op, "#", seq, ": ");
+}
+
+// Everything one call needs to hold: both groups' contexts, locked, with their sequence numbers taken.
+struct Call {
+  OpKind kind;
+  std::string prefix;
+  Stage ep, tp;
+  std::unique_lock<std::mutex> ep_lock, tp_lock;
+
+  Call(OpKind k, const char* op, Group& ep_group, Group* tp_group, int64_t tp_world_size,
+       const std::optional<std::chrono::milliseconds>& timeout)
+      : kind(k) {
+    GroupContext& eg = context_of(ep_group);
+    const bool with_tp = tp_world_size == 2 && tp_group && tp_group->size() == 2;
+    GroupContext* tg = with_tp ? &context_of(*tp_group) : nullptr;
+    ep_lock = std::unique_lock<std::mutex>(eg.call);
+    if (tg) tp_lock = std::unique_lock<std::mutex>(tg->call);
+    const uint64_t seq = ++eg.seq;
+    prefix = label(op, seq, ep_group.rank(), with_tp ? tp_group->rank() : 0, with_tp);
+    const double t = timeout ? std::chrono::duration<double>(*timeout).count() : eg.timeout_s;
+    const double tt = t > 0 ? t : eg.timeout_s;
+    // A failed group is not used again (its peers see its failure notice); the other group gets a failed
+    // header so that its peers do not wait for this call.
+    std::string refused;
+    if (!eg.failed.empty()) {
+      refused = "the ep group failed earlier: " + eg.failed;
+    } else {
+      ep.group = &eg;
+      ep.ctx = std::make_unique<OpContext>(*eg.transport, eg.layout, seq, k, tt);
+      ep.ctx->set_naming(prefix, "ep rank");
+    }
+    if (tg) {
+      const uint64_t tseq = ++tg->seq;
+      if (!tg->failed.empty()) {
+        refused = "the tp group failed earlier: " + tg->failed;
+      } else {
+        tp.group = tg;
+        tp.ctx = std::make_unique<OpContext>(*tg->transport, tg->layout, tseq, k, tt);
+        tp.ctx->set_naming(epcomm::detail::cat(prefix, "tp pair #", tseq, ": "), "tp rank");
+      }
+    }
+    if (!refused.empty()) fail_validation(Error(ErrorCode::Aborted, refused));
+    if (!(t > 0))
+      fail_validation(Error(ErrorCode::InvalidUsage,
+                            epcomm::detail::cat("argument: timeout: expected > 0, got ", t, " s")));
+  }
+
+  // Local checks failed: tell both groups, then raise.
+  [[noreturn]] void fail_validation(const Error& e) {
+    const std::string msg = prefix + e.what();
+    fail_header(ep, msg);
+    fail_header(tp, msg);
+    throw Error(e.code(), msg);
+  }
+
+  // Publishes a failed header so that the group's peers raise Aborted promptly. Errors while doing so (the
+  // peers may be gone) are dropped: the caller raises its own error.
+  void fail_header(Stage& s, const std::string& msg) {
+    if (!s) return;
+    try {
+      s.ctx->publish_failed_header(kind, msg);
+    } catch (...) {
+    }
+  }
+
+  // Runs one stage; on failure fails its group when fatal, warns `other` when it has not run yet.
+  template <typename Body>
+  void run(Stage& s, Stage* other, Body&& body) {
+    try {
+      body(*s.ctx, [&s] { s.moving = true; });
+    } catch (const Error& e) {
+      stage_failed(s, e.what(), e.code());
+      if (other) fail_header(*other, e.what());
+      throw;
+    } catch (const std::exception& e) {
+      const std::string msg = epcomm::detail::cat(s.ctx->prefix(), "internal error: ", e.what());
+      stage_failed(s, msg, ErrorCode::Internal);
+      if (other) fail_header(*other, msg);
+      throw Error(ErrorCode::Internal, msg);
+    }
+  }
+
+  void stage_failed(Stage& s, const std::string& msg, ErrorCode code) {
+    if (s.moving || code == ErrorCode::Timeout || code == ErrorCode::Internal || s.ctx->saw_peer_failure()) {
+      if (s.group->failed.empty()) s.group->failed = msg;
+      s.ctx->publish_failure(msg);
+    }
+  }
+};
+
+}  // namespace
+
+DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2Args& a, const OpOptions& o) {
+  Call call(OpKind::dispatch_v2, "dispatch_v2", ep_group, tp_group, a.tp_world_size, o.timeout);
+  detail::DispatchPlan plan;
+  try {
+    detail::prepare_dispatch(ep_group, tp_group, a, o, plan);
+  } catch (const Error& e) {
+    call.fail_validation(e);
+  }
+  DispatchV2Result& r = plan.result;
+  engine::v2::DispatchV2Output out;
+  out.expand_x = r.expand_x.data_as<uint8_t>();
+  out.dynamic_scales = plan.in.fmt.scale_bytes ? r.dynamic_scales.data_as<uint8_t>() : nullptr;
+  out.assist = r.assist_info_for_combine.data_as<int32_t>();
+  out.expert_token_nums = r.expert_token_nums.data_as<int64_t>();
+  out.ep_recv_counts = r.ep_recv_counts.data_as<int32_t>();
+  out.tp_recv_counts = plan.tp_world_size > 0 ? r.tp_recv_counts.data_as<int32_t>() : nullptr;
+  out.expand_scales = a.expert_scales ? r.expand_scales.data_as<float>() : nullptr;
+  call.run(call.ep, call.tp ? &call.tp : nullptr, [&](OpContext& ctx, const std::function<void()>& moving) {
+    engine::v2::run_dispatch_v2(ctx, plan.in, out, moving);
+  });
+  if (call.tp)
+    call.run(call.tp, nullptr, [&](OpContext& ctx, const std::function<void()>& moving) {
+      engine::v2::run_dispatch_v2_tp(ctx, plan.in, out, moving);
+    });
+  engine::v2::write_dispatch_counts(plan.in, out, plan.tp_world_size, plan.tp_rank);
+  return r;
+}
+
+namespace {
+
+void run_combine(Call& call, Group& ep_group, Group* tp_group, const CombineV2Args& a,
+                 const CombineAddRmsNormArgs* norm, const OpOptions& o, detail::CombinePlan& plan) {
+  try {
+    detail::prepare_combine(ep_group, tp_group, a, norm, o, plan);
+    engine::v2::prepare_combine_v2(plan.in);
+  } catch (const Error& e) {
+    call.fail_validation(e);
+  }
+  std::vector<uint8_t> reduced;
+  if (call.tp) {
+    reduced.resize(static_cast<size_t>(plan.in.n_own * plan.in.H) * 2);
+    call.run(call.tp, &call.ep, [&](OpContext& ctx, const std::function<void()>& moving) {
+      engine::v2::run_combine_v2_tp(ctx, plan.in, plan.expand_x, plan.n_send, reduced.data(), moving);
+    });
+    plan.in.rows = reduced.data();
+  }
+  engine::v2::CombineV2Output out;
+  out.x = plan.x.data_as<uint8_t>();
+  if (norm) {
+    out.y = plan.y.data_as<uint8_t>();
+    out.rstd = plan.rstd.data_as<float>();
+  }
+  call.run(call.ep, nullptr, [&](OpContext& ctx, const std::function<void()>& moving) {
+    engine::v2::run_combine_v2(ctx, plan.in, out, moving);
+  });
+}
+
+}  // namespace
+
+Tensor combine_v2(Group& ep_group, Group* tp_group, const CombineV2Args& a, const OpOptions& o) {
+  Call call(OpKind::combine_v2, "combine_v2", ep_group, tp_group, a.tp_world_size, o.timeout);
+  detail::CombinePlan plan;
+  run_combine(call, ep_group, tp_group, a, nullptr, o, plan);
+  return plan.x;
+}
+
+CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group, const CombineAddRmsNormArgs& a,
+                                             const OpOptions& o) {
+  Call call(OpKind::combine_add_rms_norm, "combine_add_rms_norm", ep_group, tp_group, a.tp_world_size,
+            o.timeout);
+  detail::CombinePlan plan;
+  run_combine(call, ep_group, tp_group, a, &a, o, plan);
+  return {plan.y, plan.rstd, plan.x};
+}
+
+}  // namespace epcomm::moe

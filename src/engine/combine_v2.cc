@@ -1,0 +1,340 @@
+// engine/combine_v2.cc — combine_v2 and combine_add_rms_norm (spec/distribute-v2.md §6, §7). The TP pair
+// first reduces its rows; then each origin opens a window over its own tokens with one fixed slot per (token,
+// slot ∈ [0, K+S)), every rank writes its rows (int8-compressed with comm_quant_mode 2) into the origins'
+// slots and stamps each slot, and the origin checks the stamps against its own mask and ids and reduces in
+// the fixed order (MoE slots by k, shared experts by s, shared_expert_x) with one rounding.
+#include <algorithm>
+#include <cstring>
+
+#include "engine/distribute_v2.h"
+#include "engine/distribute_v2_kernels.h"
+#include "engine/kernels.h"
+#include "engine/pair_exchange.h"
+#include "quant/block.h"
+
+namespace epcomm::engine::v2 {
+namespace {
+
+// Counts after the params: rows per origin [W], 1 + largest token index per origin [W], rows we expect.
+int count_origin(int /*W*/, int o) {
+  return o;
+}
+int count_max_token(int W, int o) {
+  return W + o;
+}
+int count_expected(int W) {
+  return 2 * W;
+}
+
+size_t wire_bytes(const CombineV2Input& in) {
+  const size_t H = static_cast<size_t>(in.H);
+  return in.comm_quant == 2 ? H + 2 * static_cast<size_t>(ceil_div(in.H, quant::kCombineGroup)) : 2 * H;
+}
+
+// A slot's stamp: the call, the window and the writer, so that the origin can tell arrivals of this window
+// from stale bytes and name the sender.
+uint64_t stamp(uint64_t seq, int64_t w, int writer) {
+  return ((seq & 0xFFFFFFFFull) << 32) | (static_cast<uint64_t>(w + 1) << 11) |
+         static_cast<uint64_t>(writer + 1);
+}
+bool stamp_is(uint64_t v, uint64_t seq, int64_t w) {
+  return (v >> 11) == (stamp(seq, w, 0) >> 11);
+}
+int stamp_writer(uint64_t v) {
+  return static_cast<int>(v & 0x7FF) - 1;
+}
+
+}  // namespace
+
+void prepare_combine_v2(CombineV2Input& in) {
+  const Layout& lay = in.lay;
+  const int W = lay.W, slots = lay.K + lay.S;
+  std::vector<int64_t> per_origin(W + 1, 0);
+  for (int64_t i = 0; i < in.n_own; ++i) {
+    const int32_t r = in.assist[3 * i], t = in.assist[3 * i + 1], slot = in.assist[3 * i + 2];
+    EPCOMM_CHECK(r >= 0 && r < W, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t, ", ",
+                 slot, "): source rank ", r, " outside [0, ", W, ")");
+    EPCOMM_CHECK(slot >= 0 && slot < slots, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
+                 ", ", slot, "): slot ", slot, " outside [0, K+S = ", slots, ")");
+    EPCOMM_CHECK(t >= 0 && t < lay.max_bs, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
+                 ", ", slot, "): token index ", t, " outside [0, maxBs = ", lay.max_bs, ")");
+    ++per_origin[r + 1];
+  }
+  for (int o = 0; o < W; ++o) per_origin[o + 1] += per_origin[o];
+  in.origin_offsets = per_origin;
+  in.origin_rows.assign(static_cast<size_t>(in.n_own), 0);
+  std::vector<int64_t> fill(per_origin.begin(), per_origin.end() - 1);
+  for (int64_t i = 0; i < in.n_own; ++i) in.origin_rows[fill[in.assist[3 * i]]++] = static_cast<int32_t>(i);
+  auto key = [&](int32_t i) {
+    return static_cast<int64_t>(in.assist[3 * i + 1]) * slots + in.assist[3 * i + 2];
+  };
+  for (int o = 0; o < W; ++o) {
+    auto b = in.origin_rows.begin() + per_origin[o], e = in.origin_rows.begin() + per_origin[o + 1];
+    std::stable_sort(b, e, [&](int32_t a, int32_t c) { return key(a) < key(c); });
+    for (auto it = b; it + 1 < e; ++it)
+      EPCOMM_CHECK(key(*it) != key(*(it + 1)), "argument: assist_info_for_combine: rows ", *it, " and ",
+                   *(it + 1), " both return (token ", in.assist[3 * *it + 1], ", slot ",
+                   in.assist[3 * *it + 2], ") to ep rank ", o, " (duplicate row)");
+  }
+}
+
+void run_combine_v2_tp(OpContext& tctx, const CombineV2Input& in, const uint8_t* expand_x, int64_t n_send,
+                       uint8_t* y, const std::function<void()>& on_moving) {
+  const size_t row = static_cast<size_t>(in.H) * 2;
+  const OpKind op = in.residual ? OpKind::combine_add_rms_norm : OpKind::combine_v2;
+  HeaderData& h = tctx.begin_header(op);
+  h.num_tokens = in.bs;
+  int32_t* c = put_params(tctx, in.params, 2);
+  c[0] = static_cast<int32_t>(in.n_own);
+  c[1] = static_cast<int32_t>(n_send);
+  tctx.publish_header();
+  tctx.exchange_headers();
+  check_params(tctx, op,
+               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
+                kParamDtype, kParamCommQuant, kParamEpRank},
+               true);
+  const int peer = 1 - tctx.rank();
+  const int32_t* pc = peer_counts(tctx, peer);
+  if (pc[1] != in.n_own || c[1] != pc[0])
+    EPCOMM_THROW(InvalidUsage, tctx.prefix(), "mismatch: tp_send_counts: this rank returns ", n_send,
+                 " rows to tp rank ", peer, ", which owns ", pc[0], " rows (its ep_send_counts); tp rank ",
+                 peer, " returns ", pc[1], " rows, this rank owns ", in.n_own);
+  on_moving();
+  std::memcpy(y, expand_x, static_cast<size_t>(in.n_own) * row);
+  pair_exchange(
+      tctx, "tp reduce", n_send, in.n_own, row,
+      [&](int64_t i, uint8_t* dst) {
+        std::memcpy(dst, expand_x + static_cast<size_t>(in.n_own + i) * row, row);
+      },
+      [&](int64_t i, const uint8_t* src) {
+        add_pair_row(in.dt, y + static_cast<size_t>(i) * row, src, in.H);
+      });
+}
+
+void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Output& out,
+                    const std::function<void()>& on_moving) {
+  const Layout& lay = in.lay;
+  const int W = lay.W, me = in.me, K = lay.K, S = lay.S, slots = K + S;
+  const int64_t H = in.H;
+  const size_t row_bytes = static_cast<size_t>(H) * 2;
+  const size_t wire = wire_bytes(in);
+  const OpKind op = in.residual ? OpKind::combine_add_rms_norm : OpKind::combine_v2;
+
+  // 1. Header: params, rows and largest token per origin, rows this rank expects.
+  int64_t expected = 0;
+  for (int64_t t = 0; t < in.bs; ++t) {
+    if (!in.active[t]) continue;
+    expected += S;
+    for (int k = 0; k < K; ++k) expected += in.ids[t * K + k] >= 0;
+  }
+  HeaderData& h = ctx.begin_header(op);
+  h.num_tokens = in.bs;
+  h.hidden = H;
+  int32_t* c = put_params(ctx, in.params, 2 * W + 1);
+  for (int o = 0; o < W; ++o) {
+    const int64_t b = in.origin_offsets[o], e = in.origin_offsets[o + 1];
+    c[count_origin(W, o)] = static_cast<int32_t>(e - b);
+    c[count_max_token(W, o)] = e > b ? in.assist[3 * in.origin_rows[e - 1] + 1] + 1 : 0;
+  }
+  c[count_expected(W)] = static_cast<int32_t>(expected);
+  ctx.publish_header();
+  ctx.exchange_headers();
+  check_params(ctx, op,
+               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
+                kParamDtype, kParamCommQuant},
+               true);
+
+  // 2. Checks every rank makes alike: room for one token's slots, and every origin gets exactly the rows it
+  // expects (its mask and ids) from rows whose tokens it has.
+  const CombineGeometry geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
+  if (geo.window < 1)
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
+                 " bytes per rank) cannot hold the ", slots, " rows of one token (", wire,
+                 " bytes each); the minimum is ",
+                 control_bytes(W) + combine_min_data_bytes(wire, slots, sizeof(uint64_t)),
+                 " bytes (GroupContextOptions::segment_bytes)");
+  std::vector<int64_t> tokens_of(W);
+  for (int o = 0; o < W; ++o) tokens_of[o] = ctx.header(o)->num_tokens;
+  for (int o = 0; o < W; ++o) {
+    int64_t sum = 0;
+    std::string senders;
+    for (int s = 0; s < W; ++s) {
+      const int32_t* pc = peer_counts(ctx, s);
+      sum += pc[count_origin(W, o)];
+      if (pc[count_origin(W, o)])
+        senders +=
+            detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ", pc[count_origin(W, o)]);
+      if (pc[count_max_token(W, o)] > tokens_of[o])
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_word(),
+                     " ", s, " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ",
+                     ctx.peer_word(), " ", o, ", which has Bs = ", tokens_of[o], " tokens");
+    }
+    const int64_t want = peer_counts(ctx, o)[count_expected(W)];
+    if (sum != want)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", o, " expects ", want,
+                   " rows (active slots of its x_active_mask and expert_ids, plus ", S,
+                   " shared per active token) but the ranks return ", sum, " (",
+                   senders.empty() ? "none" : senders,
+                   "): expert_ids, x_active_mask or the layout differ from the dispatch");
+  }
+
+  // 3. Data: windows over each origin's tokens.
+  on_moving();
+  const int64_t per_window = geo.window;
+  const uint64_t seq = ctx.seq();
+  const size_t tags_off = static_cast<size_t>(per_window) * slots * geo.row_stride;
+  auto tag_at = [&](int o, int64_t idx) {
+    return reinterpret_cast<std::atomic<uint64_t>*>(ctx.data(o) + tags_off +
+                                                    static_cast<size_t>(idx) * geo.weight_stride);
+  };
+  std::vector<int64_t> nwin(W, 0), filled(W, 0), pos(in.origin_offsets.begin(), in.origin_offsets.end() - 1);
+  for (int o = 0; o < W; ++o)
+    if (in.origin_offsets[o + 1] > in.origin_offsets[o]) nwin[o] = ceil_div(tokens_of[o], per_window);
+  std::vector<uint8_t> contributes(W, 0);  // ranks that return rows to us
+  for (int s = 0; s < W; ++s) contributes[s] = peer_counts(ctx, s)[count_origin(W, me)] > 0;
+
+  // Contributor: write our rows of origin o's window w into its slots.
+  auto fill = [&](int o, int64_t w) {
+    uint8_t* area = ctx.data(o);
+    const int64_t t0 = w * per_window, t1 = t0 + per_window;
+    const int64_t end = in.origin_offsets[o + 1];
+    while (pos[o] < end) {
+      const int32_t i = in.origin_rows[pos[o]];
+      const int64_t t = in.assist[3 * i + 1];
+      if (t >= t1) break;
+      const int slot = in.assist[3 * i + 2];
+      const int64_t idx = (t - t0) * slots + slot;
+      uint8_t* dst = area + static_cast<size_t>(idx) * geo.row_stride;
+      const uint8_t* src = in.rows + static_cast<size_t>(i) * row_bytes;
+      if (in.comm_quant == 2)
+        quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
+                                   reinterpret_cast<uint16_t*>(dst + H));
+      else
+        copy_row(dst, src, row_bytes);
+      const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
+      if (stamp_is(old, seq, w))
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
+                     " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(),
+                     " ", o, " (duplicate row)");
+      ++pos[o];
+    }
+  };
+
+  // Origin: reduce window w into the outputs.
+  const int64_t my_windows = in.bs > 0 ? ceil_div(in.bs, per_window) : 0;
+  uint8_t* my_area = ctx.data(me);
+  std::vector<float> acc(static_cast<size_t>(H)), scratch(static_cast<size_t>(H));
+  std::vector<uint8_t> decoded(in.comm_quant == 2 ? static_cast<size_t>(slots) * row_bytes : 0);
+  std::vector<const uint8_t*> rows(slots + 1);
+  std::vector<float> weights(slots + 1);
+  std::vector<uint8_t> weighted(slots + 1);
+  auto zero_token = [&](int64_t t) {
+    std::memset(out.x + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
+    if (out.y) std::memset(out.y + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
+    if (out.rstd) out.rstd[t] = 0.0f;
+  };
+  auto reduce = [&](int64_t w) {
+    const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
+    for (int64_t t = t0; t < t1; ++t) {
+      const bool act = in.active[t];
+      int n = 0;
+      for (int s = 0; s < slots; ++s) {
+        const int64_t idx = (t - t0) * slots + s;
+        const uint64_t v = tag_at(me, idx)->load(std::memory_order_acquire);
+        const bool arrived = stamp_is(v, seq, w);
+        const bool wanted = act && (s >= K || in.ids[t * K + s] >= 0);
+        if (arrived && !wanted)
+          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(v),
+                       " returned a row for (t=", t, ", slot=", s, "), which is not active on this rank (",
+                       act ? "expert_ids / x_active_mask slot" : "masked token", ")");
+        if (!arrived && wanted)
+          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: no rank returned a row for (t=", t,
+                       ", slot=", s, "), an active slot of this rank (another row went elsewhere)");
+        if (!wanted) continue;
+        const uint8_t* src = my_area + static_cast<size_t>(idx) * geo.row_stride;
+        if (in.comm_quant == 2) {
+          uint8_t* dec = decoded.data() + static_cast<size_t>(s) * row_bytes;
+          quant::int8_group8_combine_dequant(in.dt, reinterpret_cast<const int8_t*>(src),
+                                             reinterpret_cast<const uint16_t*>(src + H), H,
+                                             reinterpret_cast<uint16_t*>(dec));
+          src = dec;
+        }
+        rows[n] = src;
+        weighted[n] = s < K;
+        weights[n] = s < K ? in.expert_scales[t * K + s] : 1.0f;
+        ++n;
+      }
+      if (!act) {
+        zero_token(t);
+        continue;
+      }
+      if (in.shared_x) {
+        rows[n] = in.shared_x + static_cast<size_t>(t) * row_bytes;
+        weighted[n] = 0;
+        weights[n] = 1.0f;
+        ++n;
+      }
+      accumulate_rows(in.dt, rows.data(), weights.data(), weighted.data(), n, H, acc.data());
+      if (in.residual)
+        add_rms_norm_row(in.dt, acc.data(), in.residual + static_cast<size_t>(t) * row_bytes, in.gamma, H,
+                         in.norm_eps, out.x + static_cast<size_t>(t) * row_bytes,
+                         out.y + static_cast<size_t>(t) * row_bytes, &out.rstd[t], scratch.data());
+      else
+        round_row(in.dt, acc.data(), H, out.x + static_cast<size_t>(t) * row_bytes);
+    }
+  };
+
+  int64_t reduced = 0;
+  bool open = false;
+  auto contributors_done = [&](int64_t w) {
+    for (int s = 0; s < W; ++s)
+      if (contributes[s] && ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, w + 1))
+        return false;
+    return true;
+  };
+  ctx.run(
+      "combine rows",
+      [&](bool& progressed) {
+        if (reduced < my_windows && !open) {
+          const int64_t t0 = reduced * per_window, t1 = std::min(in.bs, t0 + per_window);
+          for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx)
+            tag_at(me, idx)->store(0, std::memory_order_relaxed);
+          ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
+          for (int s = 0; s < W; ++s)
+            if (contributes[s] && s != me) ctx.transport().notify(s);
+          open = true;
+          progressed = true;
+        }
+        bool all = true;
+        for (int o : ctx.arrival_order()) {
+          while (filled[o] < nwin[o] &&
+                 ctx.control(o)->combine_open.load(std::memory_order_acquire) >= pack(seq, filled[o] + 1)) {
+            fill(o, filled[o]);
+            ++filled[o];
+            ctx.signal(ctx.cell(o, me)->done, pack(seq, filled[o]), o);
+            progressed = true;
+          }
+          all = all && filled[o] == nwin[o];
+        }
+        if (open && contributors_done(reduced)) {
+          reduce(reduced);
+          ++reduced;
+          open = false;
+          progressed = true;
+        }
+        return all && reduced == my_windows;
+      },
+      [&] {
+        std::vector<int> peers;  // origins whose windows we still fill, then contributors we wait for
+        for (int o = 0; o < W; ++o)
+          if (filled[o] < nwin[o] && o != me) peers.push_back(o);
+        if (open)
+          for (int s = 0; s < W; ++s)
+            if (contributes[s] && s != me && std::find(peers.begin(), peers.end(), s) == peers.end() &&
+                ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, reduced + 1))
+              peers.push_back(s);
+        return peers;
+      });
+}
+
+}  // namespace epcomm::engine::v2

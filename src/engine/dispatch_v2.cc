@@ -1,0 +1,387 @@
+// engine/dispatch_v2.cc — dispatch_v2 (spec/distribute-v2.md §4, §5): every sender stages each token once in
+// its own segment (quantized there, once per distinct destination row when per-expert scales make copies
+// differ), window by window in two alternating halves; every receiver walks each source's windows and copies
+// its rows straight to their final offsets, known from the exchanged per-expert counts. Then the TP pair
+// all-gathers its rows (own rows first).
+#include <algorithm>
+#include <cstring>
+
+#include "engine/distribute_v2.h"
+#include "engine/kernels.h"
+#include "engine/pair_exchange.h"
+#include "quant/block.h"
+
+namespace epcomm::engine::v2 {
+namespace {
+
+using quant::Smoothing;
+
+// The counts a sender publishes after the params: rows per MoE expert [E], active tokens, payloads per token.
+constexpr int kCountActive = 0, kCountPayloads = 1, kCountExtra = 2;
+
+// Bytes of the metadata staged after each token's payloads: K ids, K expert scales, the active flag.
+size_t meta_bytes(int K) {
+  return static_cast<size_t>(K) * 8 + 4;
+}
+
+// Payloads per staged token: one, or one per slot and shared expert when a (S+E, H) table smooths each
+// destination row differently (§4.1 `row`).
+int payloads_per_token(const DispatchV2Input& in) {
+  return in.smooth.kind == SmoothingSource::Kind::table ? in.lay.K + in.lay.S : 1;
+}
+
+Smoothing smoothing_for(const DispatchV2Input& in, int row) {
+  switch (in.smooth.kind) {
+    case SmoothingSource::Kind::none:
+      return Smoothing::none();
+    case SmoothingSource::Kind::scalar:
+      return Smoothing::scalar(in.smooth.data[0]);
+    case SmoothingSource::Kind::vector:
+      return Smoothing::vector(in.smooth.data);
+    case SmoothingSource::Kind::table:
+      return Smoothing::vector(in.smooth.data + static_cast<int64_t>(row) * in.fmt.H);
+  }
+  return Smoothing::none();
+}
+
+quant::Fp8Format fp8_of(DType d) {
+  return d == DType::f8e5m2 ? quant::Fp8Format::e5m2 : quant::Fp8Format::e4m3;
+}
+
+// Writes token t's payload for scale row `row`: data_bytes of data, then scale_bytes of scales (§5).
+void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, std::vector<float>& scratch) {
+  const RowFormat& f = in.fmt;
+  const uint8_t* x = in.x + static_cast<size_t>(t) * in.x_row_bytes;
+  const int64_t H = f.H;
+  switch (f.quant_mode) {
+    case 0:
+      copy_row(dst, x, f.data_bytes);
+      return;
+    case 1:
+      quant::int8_static(f.x_dtype, x, H, smoothing_for(in, row), reinterpret_cast<int8_t*>(dst));
+      return;
+    case 2: {
+      float scale = 0;
+      if (f.out_dtype == DType::i8)
+        quant::int8_per_token_a3(f.x_dtype, x, H, smoothing_for(in, row), reinterpret_cast<int8_t*>(dst),
+                                 &scale);
+      else
+        quant::fp8_per_token(fp8_of(f.out_dtype), f.x_dtype, x, H, smoothing_for(in, row), dst, &scale);
+      std::memcpy(dst + H, &scale, sizeof(float));
+      return;
+    }
+    case 3: {
+      const int64_t groups = ceil_div(H, quant::kGroup128);
+      scratch.resize(static_cast<size_t>(groups));
+      quant::fp8_per_group128_a3(fp8_of(f.out_dtype), f.x_dtype, x, H, smoothing_for(in, row), dst,
+                                 scratch.data());
+      std::memcpy(dst + H, scratch.data(), sizeof(float) * groups);
+      return;
+    }
+    case 4: {
+      const int64_t blocks = ceil_div(H, quant::kMxBlock);
+      quant::mx_quantize(f.out_dtype == DType::f8e5m2 ? quant::MxElem::e5m2 : quant::MxElem::e4m3,
+                         quant::ScaleRule::floor, f.x_dtype, x, H, dst, dst + H);
+      std::memset(dst + H + blocks, 0, f.scale_bytes - static_cast<size_t>(blocks));  // Align2 padding
+      return;
+    }
+  }
+}
+
+// One sender's staging geometry (equal on every rank that reads it: it follows from the sender's header).
+struct SenderGeometry {
+  size_t payload_stride = 0;
+  DispatchGeometry geo{};
+  int payloads = 1;
+};
+SenderGeometry sender_geometry(const OpContext& ctx, const RowFormat& f, int K, int payloads) {
+  SenderGeometry g;
+  g.payloads = payloads;
+  g.payload_stride = align64(std::max<size_t>(f.data_bytes + f.scale_bytes, 1));
+  g.geo = dispatch_geometry(ctx.layout().data_bytes, g.payload_stride * payloads, meta_bytes(K));
+  return g;
+}
+
+}  // namespace
+
+void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output& out,
+                     const std::function<void()>& on_moving) {
+  const Layout& lay = in.lay;
+  const int W = lay.W, me = in.me, K = lay.K, E = lay.E, S = lay.S;
+  const RowFormat& f = in.fmt;
+  const int my_payloads = payloads_per_token(in);
+  const SenderGeometry mine = sender_geometry(ctx, f, K, my_payloads);
+  const int64_t per_window = mine.geo.window;
+
+  // Own counts and the receivers of our rows.
+  std::vector<int32_t> per_expert(E, 0);
+  int32_t n_active = 0;
+  for (int64_t t = 0; t < in.bs; ++t) {
+    n_active += in.active[t];
+    for (int k = 0; k < K; ++k)
+      if (int32_t e = in.ids[t * K + k]; e >= 0) ++per_expert[e];
+  }
+  std::vector<uint8_t> dest(W, 0);
+  for (int e = 0; e < E; ++e)
+    if (per_expert[e] > 0) dest[lay.rank_of(e)] = 1;
+  if (n_active > 0)
+    for (int p = 0; p < lay.Sr; ++p)
+      if (lay.shared_serves(p, me)) dest[p] = 1;
+  const bool any_dest = std::find(dest.begin(), dest.end(), 1) != dest.end();
+  const int64_t my_windows = any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0;
+
+  // Staging (the area is free: every call ends only once its peers are done with it).
+  uint8_t* my_area = ctx.data(me);
+  std::vector<float> scratch;
+  auto stage = [&](int64_t w) {
+    uint8_t* half = my_area + static_cast<size_t>(w % 2) * mine.geo.half_bytes;
+    const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* rec = half + static_cast<size_t>(t - t0) * mine.geo.row_stride;
+      uint8_t* meta = half + static_cast<size_t>(per_window) * mine.geo.row_stride +
+                      static_cast<size_t>(t - t0) * mine.geo.meta_stride;
+      const int32_t* ids = &in.ids[t * K];
+      std::memcpy(meta, ids, sizeof(int32_t) * K);
+      if (!in.expert_scales.empty())
+        std::memcpy(meta + 4 * K, &in.expert_scales[t * K], sizeof(float) * K);
+      else
+        std::memset(meta + 4 * K, 0, sizeof(float) * K);
+      const uint32_t act = in.active[t];
+      std::memcpy(meta + 8 * K, &act, 4);
+      if (!act) continue;
+      if (my_payloads == 1) {
+        make_payload(in, t, 0, rec, scratch);
+        continue;
+      }
+      for (int k = 0; k < K; ++k)
+        if (ids[k] >= 0)
+          make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch);
+      for (int s = 0; s < S; ++s)
+        make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch);
+    }
+  };
+  const uint64_t seq = ctx.seq();
+  int64_t staged = 0;
+  auto publish_staged = [&] {
+    ++staged;
+    ctx.control(me)->stage_ready.store(pack(seq, staged), std::memory_order_seq_cst);
+  };
+
+  // 1. Header: params, counts per expert, active tokens, payloads per token.
+  HeaderData& h = ctx.begin_header(OpKind::dispatch_v2);
+  h.num_tokens = in.bs;
+  h.hidden = f.H;
+  h.num_topk = K;
+  h.num_experts = E;
+  int32_t* c = put_params(ctx, in.params, E + kCountExtra);
+  std::copy(per_expert.begin(), per_expert.end(), c);
+  c[E + kCountActive] = n_active;
+  c[E + kCountPayloads] = my_payloads;
+  ctx.publish_header();
+  while (staged < std::min<int64_t>(my_windows, 2)) {
+    stage(staged);
+    publish_staged();
+  }
+  ctx.exchange_headers();
+  check_params(ctx, OpKind::dispatch_v2,
+               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
+                kParamDtype, kParamQuantMode, kParamOutDtype},
+               true);
+
+  // 2. Every sender's geometry; a record that does not fit is the same error on every rank.
+  std::vector<SenderGeometry> geos(W);
+  std::vector<int64_t> tokens_of(W);
+  for (int s = 0; s < W; ++s) {
+    geos[s] = sender_geometry(ctx, f, K, peer_counts(ctx, s)[E + kCountPayloads]);
+    tokens_of[s] = ctx.header(s)->num_tokens;
+    if (geos[s].geo.window < 1)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
+                   " bytes per rank) cannot hold one staged token of ep rank ", s, " (",
+                   geos[s].geo.row_stride + geos[s].geo.meta_stride, " bytes); the minimum is ",
+                   control_bytes(W) + dispatch_min_data_bytes(geos[s].geo.row_stride, meta_bytes(K)),
+                   " bytes (GroupContextOptions::segment_bytes)");
+  }
+
+  // 3. The receive plan of this rank: blocks b = el·W + r in order (§4.2).
+  const bool shared = lay.is_shared(me);
+  const int Lp = lay.local_experts(me);
+  const int m = me - lay.Sr;  // MoE rank index
+  const int sexp = shared ? lay.shared_expert_of(me) : 0;
+  std::vector<int64_t> block(static_cast<size_t>(W) * Lp, 0);
+  for (int s = 0; s < W; ++s) {
+    const int32_t* pc = peer_counts(ctx, s);
+    if (shared)
+      block[s] = lay.shared_serves(me, s) ? pc[E + kCountActive] : 0;
+    else
+      for (int el = 0; el < Lp; ++el) block[static_cast<size_t>(el) * W + s] = pc[m * lay.L + el];
+  }
+  out.cnt.assign(block.size(), 0);
+  std::vector<int64_t> cursor(block.size());
+  std::vector<int64_t> rows_from(W, 0);
+  int64_t total = 0;
+  for (size_t b = 0; b < block.size(); ++b) {
+    cursor[b] = total;
+    total += block[b];
+    out.cnt[b] = static_cast<int32_t>(total);
+    rows_from[b % W] += block[b];
+  }
+  out.n_own = total;
+  EPCOMM_ASSERT(total <= lay.capacity(me), ctx.prefix(), "rank ", me, " receives ", total,
+                " rows, above its capacity A = ", lay.capacity(me));
+
+  // 4. Data: stage our windows, pull every source's windows into their final rows.
+  on_moving();
+  std::vector<int64_t> nwin(W, 0), pulled(W, 0);
+  for (int s = 0; s < W; ++s)
+    if (rows_from[s] > 0) nwin[s] = ceil_div(tokens_of[s], geos[s].geo.window);
+  auto place = [&](int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot, float escale) {
+    copy_row(out.expand_x + static_cast<size_t>(row) * f.data_bytes, payload, f.data_bytes);
+    if (f.scale_bytes)
+      std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, payload + f.data_bytes,
+                  f.scale_bytes);
+    out.assist[3 * row] = src;
+    out.assist[3 * row + 1] = t;
+    out.assist[3 * row + 2] = slot;
+    if (out.expand_scales) out.expand_scales[row] = escale;
+  };
+  auto pull = [&](int s, int64_t w) {
+    const SenderGeometry& g = geos[s];
+    const int64_t pw = g.geo.window;
+    const uint8_t* half = ctx.data(s) + static_cast<size_t>(w % 2) * g.geo.half_bytes;
+    const int64_t t0 = w * pw, t1 = std::min(tokens_of[s], t0 + pw);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* rec = half + static_cast<size_t>(t - t0) * g.geo.row_stride;
+      const uint8_t* meta =
+          half + static_cast<size_t>(pw) * g.geo.row_stride + static_cast<size_t>(t - t0) * g.geo.meta_stride;
+      uint32_t act;
+      std::memcpy(&act, meta + 8 * K, 4);
+      if (!act) continue;
+      if (shared) {
+        const size_t idx = g.payloads > 1 ? static_cast<size_t>(K + sexp) : 0;
+        place(cursor[s]++, rec + idx * g.payload_stride, s, static_cast<int32_t>(t), K + sexp, 1.0f);
+        continue;
+      }
+      for (int k = 0; k < K; ++k) {
+        int32_t e;
+        std::memcpy(&e, meta + 4 * k, 4);
+        const int el = e - m * lay.L;
+        if (e < 0 || el < 0 || el >= lay.L) continue;
+        float es;
+        std::memcpy(&es, meta + 4 * K + 4 * k, 4);
+        const size_t idx = g.payloads > 1 ? static_cast<size_t>(k) : 0;
+        place(cursor[static_cast<size_t>(el) * W + s]++, rec + idx * g.payload_stride, s,
+              static_cast<int32_t>(t), k, es);
+      }
+    }
+  };
+  auto acked_by_all = [&](int64_t windows) {
+    for (int p = 0; p < W; ++p)
+      if (dest[p] && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, windows)) return false;
+    return true;
+  };
+  auto can_stage = [&](int64_t w) { return w < 2 || acked_by_all(w - 1); };
+  ctx.run(
+      "dispatch rows",
+      [&](bool& progressed) {
+        while (staged < my_windows && can_stage(staged)) {
+          stage(staged);
+          publish_staged();
+          for (int p = 0; p < W; ++p)
+            if (dest[p] && p != me) ctx.transport().notify(p);
+          progressed = true;
+        }
+        bool all = staged == my_windows && (my_windows == 0 || acked_by_all(my_windows));
+        for (int s : ctx.arrival_order()) {
+          while (pulled[s] < nwin[s] &&
+                 ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {
+            pull(s, pulled[s]);
+            ++pulled[s];
+            ctx.signal(ctx.cell(s, me)->ack, pack(seq, pulled[s]), s);
+            progressed = true;
+          }
+          all = all && pulled[s] == nwin[s];
+        }
+        return all;
+      },
+      [&] {
+        std::vector<int> peers;  // sources still to pull, then receivers whose acknowledgements we await
+        for (int s = 0; s < W; ++s)
+          if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
+        for (int p = 0; p < W; ++p)
+          if (dest[p] && p != me && std::find(peers.begin(), peers.end(), p) == peers.end() &&
+              ctx.cell(me, p)->ack.load(std::memory_order_acquire) <
+                  pack(seq, std::max<int64_t>(my_windows, 1)))
+            peers.push_back(p);
+        return peers;
+      });
+}
+
+void run_dispatch_v2_tp(OpContext& tctx, const DispatchV2Input& in, DispatchV2Output& out,
+                        const std::function<void()>& on_moving) {
+  const RowFormat& f = in.fmt;
+  const int W = in.lay.W;
+  const int n_blocks = W * in.lay.local_experts(in.me);
+  HeaderData& h = tctx.begin_header(OpKind::dispatch_v2);
+  h.num_tokens = in.bs;
+  int32_t* c = put_params(tctx, in.params, 1 + n_blocks);
+  c[0] = static_cast<int32_t>(out.n_own);
+  std::copy(out.cnt.begin(), out.cnt.end(), c + 1);
+  tctx.publish_header();
+  tctx.exchange_headers();
+  check_params(tctx, OpKind::dispatch_v2,
+               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
+                kParamDtype, kParamQuantMode, kParamOutDtype, kParamEpRank},
+               true);
+  const int peer = 1 - tctx.rank();
+  const int32_t* pc = peer_counts(tctx, peer);
+  out.n_peer = pc[0];
+  out.peer_cnt.assign(pc + 1, pc + 1 + n_blocks);
+  EPCOMM_ASSERT(out.n_own + out.n_peer <= 2 * in.lay.capacity(in.me), tctx.prefix(), "TP rows exceed 2·A");
+
+  const bool escale = out.expand_scales != nullptr;
+  const size_t rec = f.data_bytes + f.scale_bytes + (escale ? sizeof(float) : 0);
+  on_moving();
+  pair_exchange(
+      tctx, "tp all-gather", out.n_own, out.n_peer, rec,
+      [&](int64_t i, uint8_t* dst) {
+        std::memcpy(dst, out.expand_x + static_cast<size_t>(i) * f.data_bytes, f.data_bytes);
+        if (f.scale_bytes)
+          std::memcpy(dst + f.data_bytes, out.dynamic_scales + static_cast<size_t>(i) * f.scale_bytes,
+                      f.scale_bytes);
+        if (escale) std::memcpy(dst + f.data_bytes + f.scale_bytes, &out.expand_scales[i], sizeof(float));
+      },
+      [&](int64_t i, const uint8_t* src) {
+        const int64_t row = out.n_own + i;
+        std::memcpy(out.expand_x + static_cast<size_t>(row) * f.data_bytes, src, f.data_bytes);
+        if (f.scale_bytes)
+          std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, src + f.data_bytes,
+                      f.scale_bytes);
+        if (escale) std::memcpy(&out.expand_scales[row], src + f.data_bytes + f.scale_bytes, sizeof(float));
+      });
+}
+
+void write_dispatch_counts(const DispatchV2Input& in, DispatchV2Output& out, int tp_world_size, int tp_rank) {
+  const int W = in.lay.W;
+  const int Lp = in.lay.local_experts(in.me);
+  for (size_t b = 0; b < out.cnt.size(); ++b) out.ep_recv_counts[b] = out.cnt[b];
+  if (tp_world_size == 2) {
+    for (size_t b = 0; b < out.peer_cnt.size(); ++b) out.ep_recv_counts[out.cnt.size() + b] = out.peer_cnt[b];
+    out.expert_token_nums[0] = out.n_own + out.n_peer;  // L = 1 with TP (§4.3)
+    out.tp_recv_counts[tp_rank] = static_cast<int32_t>(out.n_own);
+    out.tp_recv_counts[1 - tp_rank] = static_cast<int32_t>(out.n_peer);
+    return;
+  }
+  if (tp_world_size == 1) out.tp_recv_counts[0] = static_cast<int32_t>(out.n_own);
+  if (in.lay.is_shared(in.me)) {
+    out.expert_token_nums[0] = out.n_own;
+    return;
+  }
+  int64_t prev = 0;
+  for (int el = 0; el < Lp; ++el) {
+    const int64_t end = out.cnt[static_cast<size_t>(el) * W + W - 1];
+    out.expert_token_nums[el] = in.expert_token_nums_type == 0 ? end : end - prev;
+    prev = end;
+  }
+}
+
+}  // namespace epcomm::engine::v2

@@ -1,0 +1,393 @@
+// tools/epcomm/bench_v2.cc — `epcomm bench --api distribute-v2`: times dispatch_v2 and combine_v2 in the
+// decode shape over local ranks and prints one JSON object per operation and rank count (rank 0, stdout).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "epcomm/moe/distribute_v2.h"
+#include "flags.h"
+#include "numerics.h"
+#include "quant/block.h"
+#include "rank_tools.h"
+#include "report.h"
+#include "run_options.h"
+#include "subcommands.h"
+
+namespace epcomm::cli {
+namespace {
+
+const char* kEpilog =
+    "Each rank holds --tokens tokens of random values routed to --topk distinct experts drawn uniformly\n"
+    "(weights uniform in [0.05, 1)); with --shared-expert-ranks > 0 those ranks serve one shared expert.\n"
+    "For each rank count it runs --warmup untimed and --iters timed iterations of dispatch_v2, then of\n"
+    "combine_v2 (expert outputs = the dispatched rows, dequantized once). Outputs go to caller buffers\n"
+    "allocated once (no zero-fill inside the timed calls). A bootstrap barrier precedes every timed call;\n"
+    "an iteration's time is the slowest rank's. The first iteration is checked outside the timings: every\n"
+    "rank's row count equals the selections routed to it, and combine returns x·Σw (+ x per shared expert)\n"
+    "within calc_diff < 3e-3 (quantized) or 1e-5.\n\n"
+    "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
+    "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, launcher, iters, warmup, selections,\n"
+    "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, gbps_per_rank,\n"
+    "gbps, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes.\n\n"
+    "Byte formula (as the accelerator libraries count it, per (token, expert) selection):\n"
+    "  selections     = tokens x topk (each rank's own tokens; shared experts not counted)\n"
+    "  dispatch bytes = selections x row_bytes, row_bytes = H x elem of expand_x + scale bytes per row\n"
+    "  combine bytes  = selections x H x 2 (bf16/fp16 rows; comm_quant_mode 2 still counts 2 bytes)\n"
+    "  gbps_per_rank  = bytes_per_rank / time_us_median / 1e3;  gbps = ranks x gbps_per_rank\n"
+    "  memcpy_gbps: every rank memcpy's 32 MiB at once, aggregate bytes / slowest time, median of 5;\n"
+    "  ratio_to_memcpy = gbps / memcpy_gbps.\n\n"
+    "Exit status: 0 when every check passed, 1 when one failed or a runtime error, 2 a usage error.\n";
+
+struct V2BenchOptions {
+  std::vector<int> ranks;
+  int64_t tokens = 128, hidden = 7168;
+  int topk = 8, experts = 256, shared_ranks = 0, quant_mode = 2, comm_quant = 0, iters = 20, warmup = 3;
+  DType dtype = DType::bf16;
+  uint64_t seed = 1;
+  int64_t segment_bytes = 0;
+  Launcher launcher = Launcher::fork;
+  std::optional<double> timeout_s;
+  bool quiet = false;
+};
+
+size_t scale_bytes_of(int mode, int64_t H) {
+  switch (mode) {
+    case 2:
+      return 4;
+    case 3:
+      return 4 * static_cast<size_t>((H + 127) / 128);
+    case 4:
+      return static_cast<size_t>(((H + 31) / 32 + 1) / 2 * 2);
+    default:
+      return 0;
+  }
+}
+
+// Token t's experts on rank r: topk distinct MoE experts, uniform, from the seed.
+std::vector<int32_t> routing_of(const V2BenchOptions& o, int r) {
+  RandomStream rs(o.seed, StreamKind::routing, static_cast<uint64_t>(r));
+  std::vector<int32_t> ids(static_cast<size_t>(o.tokens * o.topk));
+  std::vector<int32_t> pool(o.experts);
+  uint64_t n = 0;
+  for (int64_t t = 0; t < o.tokens; ++t) {
+    for (int e = 0; e < o.experts; ++e) pool[e] = e;
+    for (int k = 0; k < o.topk; ++k) {
+      const int j = k + static_cast<int>(rs.bits(n++) % static_cast<uint64_t>(o.experts - k));
+      std::swap(pool[k], pool[j]);
+      ids[t * o.topk + k] = pool[k];
+    }
+  }
+  return ids;
+}
+
+double memcpy_gbps(Bootstrap& bs) {
+  const size_t bytes = size_t{32} << 20;
+  std::vector<std::byte> src(bytes, std::byte{2}), dst(bytes, std::byte{1});
+  std::vector<double> times;
+  for (int rep = 0; rep < 5; ++rep) {
+    bs.barrier();
+    const double t0 = now_s();
+    std::memcpy(dst.data(), src.data(), bytes);
+    times.push_back(now_s() - t0);
+  }
+  const auto all = all_gather_values(bs, times);
+  const double t = median(max_over_ranks(all, bs.size(), 5));
+  return t > 0 ? static_cast<double>(bytes) * bs.size() / t / 1e9 : 0.0;
+}
+
+// Row i of expand_x dequantized to fp32 (quant.md §4).
+void dequant_row(const V2BenchOptions& o, const moe::DispatchV2Result& d, int64_t i, float* out) {
+  const int64_t H = o.hidden;
+  const uint8_t* q =
+      d.expand_x.data_as<uint8_t>() + i * H * static_cast<int64_t>(dtype_size(d.expand_x.dtype()));
+  switch (o.quant_mode) {
+    case 0:
+      load_row(o.dtype, q, H, out);
+      return;
+    case 1:
+      for (int64_t h = 0; h < H; ++h) out[h] = static_cast<float>(reinterpret_cast<const int8_t*>(q)[h]);
+      return;
+    case 2:
+      quant::dequant_int8_per_token(reinterpret_cast<const int8_t*>(q), d.dynamic_scales.data_as<float>()[i],
+                                    H, out);
+      return;
+    case 3:
+      quant::dequant_fp8_per_group128(quant::Fp8Format::e4m3, q,
+                                      d.dynamic_scales.data_as<float>() + i * d.dynamic_scales.size(1), H,
+                                      out);
+      return;
+    case 4:
+      quant::dequant_mx(quant::MxElem::e4m3, q,
+                        d.dynamic_scales.data_as<uint8_t>() + i * d.dynamic_scales.size(1), H, out);
+      return;
+  }
+}
+
+struct Counts {
+  int64_t rows = 0, ok = 1;
+};
+
+int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> bootstrap) {
+  auto group = Group::create(std::move(bootstrap));
+  const int r = group->rank();
+  Bootstrap& bs = group->bootstrap();
+  Progress progress("epcomm bench", r == 0 && !o.quiet);
+  moe::GroupContextOptions co;
+  co.segment_bytes = o.segment_bytes;
+  co.timeout_s = o.timeout_s;
+  moe::init_group_context(*group, co);
+  const int64_t T = o.tokens, H = o.hidden;
+  const int K = o.topk;
+  progress.phase("generating tokens and routing");
+  const size_t row = static_cast<size_t>(H) * dtype_size(o.dtype);
+  std::vector<std::byte> x(static_cast<size_t>(T) * row);
+  for (int64_t t = 0; t < T; ++t) make_token(o.seed, r, t, H, o.dtype, x.data() + t * row);
+  std::vector<int32_t> ids = routing_of(o, r);
+  RandomStream ws(o.seed, StreamKind::weights, static_cast<uint64_t>(r));
+  std::vector<float> weights(static_cast<size_t>(T * K));
+  for (size_t i = 0; i < weights.size(); ++i) weights[i] = 0.525f + 0.475f * ws.uniform(i);
+
+  moe::DispatchV2Args a;
+  a.x = Tensor::wrap(x.data(), o.dtype, {T, H});
+  a.expert_ids = Tensor::wrap(ids.data(), DType::i32, {T, K});
+  a.group_ep = "ep";
+  a.ep_world_size = W;
+  a.ep_rank_id = r;
+  a.moe_expert_num = o.experts;
+  a.shared_expert_num = o.shared_ranks > 0 ? 1 : 0;
+  a.shared_expert_rank_num = o.shared_ranks;
+  a.quant_mode = o.quant_mode;
+  // Caller buffers, allocated once: the first call returns zero-filled outputs we keep reusing.
+  moe::DispatchV2Result d = moe::dispatch_v2(*group, nullptr, a);
+  a.expand_x_out = d.expand_x;
+  a.dynamic_scales_out = d.dynamic_scales;
+  a.assist_info_for_combine_out = d.assist_info_for_combine;
+  a.expert_token_nums_out = d.expert_token_nums;
+  a.ep_recv_counts_out = d.ep_recv_counts;
+  a.tp_recv_counts_out = d.tp_recv_counts;
+  a.expand_scales_out = d.expand_scales;
+
+  // Expert outputs: the dispatched rows, dequantized once.
+  const int64_t n_own = d.ep_recv_counts.data_as<int32_t>()[d.ep_recv_counts.numel() - 1];
+  Tensor experts_out = empty(o.dtype, {n_own, H});  // combine reads only the first n_own rows
+  std::memset(experts_out.data(), 0, experts_out.nbytes());
+  std::vector<float> f(static_cast<size_t>(H));
+  for (int64_t i = 0; i < n_own; ++i) {
+    dequant_row(o, d, i, f.data());
+    store_row(o.dtype, f.data(), H, experts_out.data_as<std::byte>() + i * row);
+  }
+  moe::CombineV2Args c;
+  c.expand_x = experts_out;
+  c.expert_ids = a.expert_ids;
+  c.assist_info_for_combine = d.assist_info_for_combine;
+  c.ep_send_counts = d.ep_recv_counts;
+  std::vector<float> w = weights;
+  c.expert_scales = Tensor::wrap(w.data(), DType::f32, {T, K});
+  c.group_ep = "ep";
+  c.ep_world_size = W;
+  c.ep_rank_id = r;
+  c.moe_expert_num = o.experts;
+  c.shared_expert_num = a.shared_expert_num;
+  c.shared_expert_rank_num = o.shared_ranks;
+  c.comm_quant_mode = o.comm_quant;
+  c.x_out = empty(o.dtype, {T, H});
+
+  progress.phase("measuring the memcpy rate");
+  const double mgbps = memcpy_gbps(bs);
+  progress.phase(std::to_string(o.warmup) + " warmup + " + std::to_string(o.iters) + " timed iterations");
+  std::vector<double> times(static_cast<size_t>(2 * o.iters), 0.0);
+  Counts counts;
+  for (int it = -o.warmup; it < o.iters; ++it) {
+    bs.barrier();
+    double t0 = now_s();
+    moe::dispatch_v2(*group, nullptr, a);
+    const double td = now_s() - t0;
+    bs.barrier();
+    t0 = now_s();
+    Tensor y = moe::combine_v2(*group, nullptr, c);
+    const double tc = now_s() - t0;
+    if (it >= 0) {
+      times[it] = td;
+      times[o.iters + it] = tc;
+    }
+    if (it == -o.warmup) {  // checked once, outside the timings
+      counts.rows = n_own;
+      int64_t expected = 0;  // selections routed to this rank
+      const int L = o.experts / (W - o.shared_ranks);
+      for (int s = 0; s < W; ++s) {
+        if (r < o.shared_ranks) {
+          if (s % o.shared_ranks == r % o.shared_ranks) expected += T;
+          continue;
+        }
+        for (int32_t e : routing_of(o, s)) expected += o.shared_ranks + e / L == r;
+      }
+      double num = 0, den = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        double wsum = 0;
+        for (int k = 0; k < K; ++k) wsum += weights[t * K + k];
+        if (o.shared_ranks > 0) wsum += 1.0;
+        for (int64_t h = 0; h < H; ++h) {
+          const double xv = load_elem(o.dtype, x.data(), t * H + h);
+          const double av = load_elem(o.dtype, y.data(), t * H + h) + 1, bv = xv * wsum + 1;
+          num += av * bv;
+          den += av * av + bv * bv;
+        }
+      }
+      const double diff = den > 0 ? 1 - 2 * num / den : 0;
+      const double limit = o.quant_mode == 0 && o.comm_quant == 0 ? 1e-5 : 3e-3;
+      if (expected != n_own || !(diff < limit)) {
+        std::fprintf(stderr,
+                     "epcomm bench: distribute-v2 verification failed on rank %d: rows %lld (expected %lld), "
+                     "calc_diff %.3g (limit %.3g)\n",
+                     r, static_cast<long long>(n_own), static_cast<long long>(expected), diff, limit);
+        counts.ok = 0;
+      }
+    }
+  }
+  const auto all_times = all_gather_values(bs, times);
+  const auto all_counts = all_gather_values(bs, std::vector<int64_t>{counts.rows, counts.ok});
+  bool verified = true;
+  for (int s = 0; s < W; ++s) verified = verified && all_counts[2 * s + 1] == 1;
+  if (r == 0) {
+    const int64_t selections = T * K;
+    const int64_t elem = o.quant_mode == 0 ? static_cast<int64_t>(dtype_size(o.dtype)) : 1;
+    const int64_t drow = H * elem + static_cast<int64_t>(scale_bytes_of(o.quant_mode, H));
+    for (int op = 0; op < 2; ++op) {
+      std::vector<double> per_rank;
+      for (int s = 0; s < W; ++s) {
+        const double* t =
+            all_times.data() + static_cast<size_t>(s) * 2 * o.iters + static_cast<size_t>(op) * o.iters;
+        per_rank.insert(per_rank.end(), t, t + o.iters);
+      }
+      std::vector<double> us = max_over_ranks(per_rank, W, o.iters);
+      for (double& v : us) v *= 1e6;
+      const int64_t row_bytes = op == 0 ? drow : H * 2;
+      const int64_t bytes = selections * row_bytes;
+      const double med = median(us);
+      const double per = med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0;
+      JsonLine j;
+      j.add("api", "distribute-v2")
+          .add("op", op == 0 ? "dispatch_v2" : "combine_v2")
+          .add("ranks", W)
+          .add("tokens", T)
+          .add("hidden", H)
+          .add("topk", K)
+          .add("experts", o.experts)
+          .add("shared_expert_ranks", o.shared_ranks)
+          .add("dtype", dtype_name(o.dtype))
+          .add("quant_mode", o.quant_mode)
+          .add("comm_quant_mode", o.comm_quant)
+          .add("launcher", o.launcher == Launcher::fork ? "fork" : "threads")
+          .add("iters", o.iters)
+          .add("warmup", o.warmup)
+          .add("selections", selections)
+          .add("row_bytes", row_bytes)
+          .add("bytes_per_rank", bytes)
+          .add("time_us_median", med, 1)
+          .add("time_us_min", *std::min_element(us.begin(), us.end()), 1)
+          .add("time_us_p99", percentile(us, 0.99), 1)
+          .add("time_us_max", *std::max_element(us.begin(), us.end()), 1)
+          .add("gbps_per_rank", per, 3)
+          .add("gbps", per * W, 3)
+          .add("memcpy_gbps", mgbps, 3)
+          .add("ratio_to_memcpy", mgbps > 0 ? per * W / mgbps : 0.0, 4)
+          .add("verified", verified)
+          .add("segment_bytes", o.segment_bytes ? o.segment_bytes : int64_t{64} << 20);
+      std::printf("%s\n", j.str().c_str());
+    }
+    std::fflush(stdout);
+  }
+  progress.phase("done");
+  return verified ? kExitOk : kExitFail;
+}
+
+std::vector<int> parse_ranks(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1 || v > 1024)
+      throw UsageError(bad_value("ranks", "a comma-separated list of rank counts in [1, 1024]", s));
+    out.push_back(static_cast<int>(v));
+  }
+  if (out.empty()) throw UsageError(bad_value("ranks", "a comma-separated list of rank counts", s));
+  return out;
+}
+
+}  // namespace
+
+int run_bench_v2(int argc, char** argv) {
+  FlagParser p(
+      "epcomm bench --api distribute-v2", "epcomm bench --api distribute-v2 [flags]",
+      "Times dispatch_v2 and combine_v2 (spec/distribute-v2.md) between local ranks in the decode shape;\n"
+      "prints one JSON object per line (rank 0, stdout) per operation and rank count.");
+  p.add("api", "NAME", "normal", "distribute-v2 selects this benchmark (removed before parsing)");
+  p.add("ranks", "N[,N...]", "2,4,8", "rank counts to run, one after the other");
+  p.add("tokens", "T", "128", "tokens per rank (Bs)");
+  p.add("hidden", "H", "7168", "hidden size");
+  p.add("topk", "K", "8", "experts per token");
+  p.add("experts", "E", "256", "MoE experts (a multiple of ranks - shared-expert-ranks)");
+  p.add("shared-expert-ranks", "N", "0", "shared-expert ranks (one shared expert, N replicas)");
+  p.add("quant-mode", "M", "2", "dispatch quant_mode 0-4 (2: per-token int8)");
+  p.add("comm-quant-mode", "M", "0", "combine comm_quant_mode 0 or 2");
+  p.add("dtype", "bf16|f16", "bf16", "token dtype");
+  p.add("iters", "N", "20", "timed iterations");
+  p.add("warmup", "N", "3", "untimed iterations before the timed ones");
+  p.add("seed", "S", "1", "random seed");
+  p.add("segment-bytes", "BYTES", "64M", "shared-memory segment per rank (K, M, G suffixes)");
+  p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
+  p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
+  p.add_switch("quiet", "no progress lines on stderr");
+  p.set_epilog(kEpilog);
+  if (!p.parse(argc, argv)) {
+    std::fputs(p.help().c_str(), stdout);
+    return kExitOk;
+  }
+  V2BenchOptions o;
+  o.ranks = parse_ranks(p.str("ranks"));
+  o.tokens = p.integer("tokens", 0, 1 << 20);
+  o.hidden = p.integer("hidden", 1, 1 << 20);
+  o.topk = static_cast<int>(p.integer("topk", 1, 1024));
+  o.experts = static_cast<int>(p.integer("experts", 1, 16000));
+  o.shared_ranks = static_cast<int>(p.integer("shared-expert-ranks", 0, 1023));
+  o.quant_mode = static_cast<int>(p.integer("quant-mode", 0, 4));
+  o.comm_quant = static_cast<int>(p.integer("comm-quant-mode", 0, 2));
+  if (o.comm_quant == 1) throw UsageError(bad_value("comm-quant-mode", "0 or 2", "1"));
+  if (o.quant_mode == 1) throw UsageError(bad_value("quant-mode", "0, 2, 3 or 4 (mode 1 needs scales)", "1"));
+  o.dtype = p.choice("dtype", {"bf16", "f16"}) == "bf16" ? DType::bf16 : DType::f16;
+  o.iters = static_cast<int>(p.integer("iters", 1, 1000000));
+  o.warmup = static_cast<int>(p.integer("warmup", 0, 1000000));
+  o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
+  o.segment_bytes = p.given("segment-bytes") ? p.bytes("segment-bytes") : 0;
+  o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
+  if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
+  o.quiet = p.on("quiet");
+  if (o.topk > o.experts) throw UsageError(bad_value("topk", "<= experts", std::to_string(o.topk)));
+  for (int W : o.ranks) {
+    if (o.shared_ranks >= W || o.experts % (W - o.shared_ranks) != 0)
+      throw UsageError("--experts " + std::to_string(o.experts) +
+                       " must be a multiple of ranks - shared-expert-ranks = " +
+                       std::to_string(W - o.shared_ranks) + " (ranks " + std::to_string(W) + ")");
+  }
+  int status = kExitOk;
+  for (int W : o.ranks) {
+    RunOptions ro;
+    ro.ranks = W;
+    ro.launcher = o.launcher;
+    ro.timeout_s = o.timeout_s;
+    ro.quiet = o.quiet;
+    const int s = run_ranks("epcomm bench", ro, [&](std::unique_ptr<Bootstrap> bs) {
+      return bench_rank_v2(o, W, std::move(bs));
+    });
+    status = std::max(status, s);
+  }
+  return status;
+}
+
+}  // namespace epcomm::cli
