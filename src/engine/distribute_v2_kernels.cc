@@ -4,16 +4,16 @@
 
 #include <cmath>
 
-#include "tensor/half.h"
+#include "epcomm/quant_element.h"
 
 namespace epcomm::engine::v2 {
 namespace {
 
 inline float load(DType dt, const uint16_t* p, int64_t h) {
-  return dt == DType::bf16 ? bf16_to_f32(p[h]) : f16_to_f32(p[h]);
+  return dt == DType::bf16 ? bf16_to_float(p[h]) : fp16_to_float(p[h]);
 }
 inline uint16_t store(DType dt, float v) {
-  return dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+  return dt == DType::bf16 ? to_bf16_bits(v) : to_fp16_bits(v);
 }
 
 // Inlined into each clone of accumulate_rows, so that every ISA level gets its own vectorized loop.
@@ -26,12 +26,12 @@ template <bool kBf16>
     if (weighted[j]) {
       const float w = weights[j];
       for (int64_t h = 0; h < H; ++h) {
-        const float v = kBf16 ? bf16_to_f32(r[h]) : f16_to_f32(r[h]);
+        const float v = kBf16 ? bf16_to_float(r[h]) : fp16_to_float(r[h]);
         const float prod = v * w;
         acc[h] = acc[h] + prod;
       }
     } else {
-      for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + (kBf16 ? bf16_to_f32(r[h]) : f16_to_f32(r[h]));
+      for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + (kBf16 ? bf16_to_float(r[h]) : fp16_to_float(r[h]));
     }
   }
 }
@@ -55,9 +55,9 @@ void accumulate_rows(DType dt, const uint8_t* const* rows, const float* weights,
 void round_row(DType dt, const float* acc, int64_t H, uint8_t* out) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   if (dt == DType::bf16)
-    for (int64_t h = 0; h < H; ++h) o[h] = f32_to_bf16(acc[h]);
+    for (int64_t h = 0; h < H; ++h) o[h] = to_bf16_bits(acc[h]);
   else
-    for (int64_t h = 0; h < H; ++h) o[h] = f32_to_f16(acc[h]);
+    for (int64_t h = 0; h < H; ++h) o[h] = to_fp16_bits(acc[h]);
 }
 
 void add_rms_norm_row(DType dt, const float* acc, const uint8_t* residual, const uint8_t* gamma, int64_t H,
@@ -81,14 +81,14 @@ void add_rms_norm_row(DType dt, const float* acc, const uint8_t* residual, const
   *rstd = r;
   for (int64_t h = 0; h < H; ++h) {
     const float n1 = xf[h] * r;
-    const float n1r = dt == DType::bf16 ? bf16_to_f32(f32_to_bf16(n1)) : f16_to_f32(f32_to_f16(n1));
+    const float n1r = dt == DType::bf16 ? bf16_to_float(to_bf16_bits(n1)) : fp16_to_float(to_fp16_bits(n1));
     const float g = load(dt, gam, h);
     yo[h] = store(dt, n1r * g);
   }
 }
 
 uint16_t f16_round_exact_sum(uint16_t a, uint16_t b) {
-  const double s = static_cast<double>(f16_to_f32(a)) + static_cast<double>(f16_to_f32(b));  // exact
+  const double s = static_cast<double>(fp16_to_float(a)) + static_cast<double>(fp16_to_float(b));  // exact
   if (std::isnan(s)) return 0x7E00;
   const double m = std::fabs(s);
   if (std::isinf(s) || m >= 65520.0) return s < 0 ? 0xFC00 : 0x7C00;
@@ -102,7 +102,7 @@ uint16_t f16_round_exact_sum(uint16_t a, uint16_t b) {
   if (m == 0.0) return std::signbit(s) ? 0x8000 : 0x0000;  // -0 only for (-0) + (-0)
   const double q = std::nearbyint(m / ulp);                // round half to even (the default rounding mode)
   const double r = q * ulp;  // exactly representable in fp16 (65536 is excluded above)
-  const uint16_t bits = f32_to_f16(static_cast<float>(r));
+  const uint16_t bits = to_fp16_bits(static_cast<float>(r));
   return s < 0 ? static_cast<uint16_t>(bits | 0x8000) : bits;
 }
 
@@ -110,7 +110,7 @@ void add_pair_row(DType dt, uint8_t* y, const uint8_t* p, int64_t H) {
   uint16_t* yo = reinterpret_cast<uint16_t*>(y);
   const uint16_t* pi = reinterpret_cast<const uint16_t*>(p);
   if (dt == DType::bf16) {
-    for (int64_t h = 0; h < H; ++h) yo[h] = f32_to_bf16(bf16_to_f32(yo[h]) + bf16_to_f32(pi[h]));
+    for (int64_t h = 0; h < H; ++h) yo[h] = to_bf16_bits(bf16_to_float(yo[h]) + bf16_to_float(pi[h]));
   } else {
     for (int64_t h = 0; h < H; ++h) yo[h] = f16_round_exact_sum(yo[h], pi[h]);
   }
