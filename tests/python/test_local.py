@@ -129,6 +129,10 @@ def test_distribute_ops_one_rank(world1):
         expert_scales=w)
     assert yn.shape == (2, 1, 8) and rstd.shape == (2, 1, 1) and rstd.dtype == torch.float32
     assert torch.equal(xn, (x.float() * (w + 1)).bfloat16().reshape(2, 1, 8))
+    # An epcomm.Group gets its operator context on its first call (created inside the GIL-free call).
+    out = ops.npu_moe_distribute_dispatch_v2(x, ids, None, 1, 0, 1, ep_group=epcomm.Group(world1), timeout=5,
+                                             strict_hardware_limits="")
+    assert torch.equal(out[0], x)
     # Errors name the parameter.
     with pytest.raises(epcomm.InvalidUsageError, match="expand_idx"):
         ops.npu_moe_distribute_combine_v2(expand_x, ids, assist, ep_counts, w, "ep0", 1, 0, 1, expand_idx=assist)
