@@ -4,6 +4,7 @@
 // the GIL held; the collective call itself runs with the GIL released.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <optional>
@@ -106,6 +107,60 @@ void common_ints(const Kwargs& k, Args& a) {
   k.integer("const_expert_num", a.const_expert_num);
 }
 
+// Dispatch's outputs with the exact shapes of spec §2.4 (zero-filled torch tensors the operator writes in
+// place), when the arguments are well-formed enough to know them; otherwise the operator allocates them and
+// reports the bad argument itself.
+void torch_dispatch_outputs(moe::DispatchV2Args& a) {
+  const Shape& xs = a.x.shape();
+  const Shape& is = a.expert_ids.shape();
+  if (xs.size() != 2 || is.size() != 2 || (a.x.dtype() != DType::bf16 && a.x.dtype() != DType::f16)) return;
+  const int64_t W = a.ep_world_size, Sr = a.shared_expert_rank_num, E = a.moe_expert_num, p = a.ep_rank_id;
+  const int64_t Bs = xs[0], H = xs[1], K = is[1], qm = a.quant_mode;
+  if (W < 1 || Sr < 0 || Sr >= W || E < 1 || E % (W - Sr) != 0 || p < 0 || p >= W || K < 1) return;
+  if (a.tp_world_size < 0 || a.tp_world_size > 2 || qm < 0 || qm > 4 || a.expert_shard_type != 0) return;
+  const int64_t S = Sr == 0 ? 0 : a.shared_expert_num;
+  if (Sr > 0 && (S < 1 || Sr % S != 0)) return;
+  if (a.global_bs < 0 || (a.global_bs > 0 && a.global_bs % W != 0)) return;
+  const int64_t T = std::max<int64_t>(a.tp_world_size, 1), L = E / (W - Sr);
+  const int64_t maxBs = a.global_bs > 0 ? a.global_bs / W : Bs, G = a.global_bs > 0 ? a.global_bs : Bs * W;
+  const bool shared = p < Sr;
+  const int64_t A = shared ? maxBs * ((W + Sr / S - 1) / (Sr / S)) : G * std::min(L, K);
+  const int64_t Lp = shared ? 1 : L;
+  // expand_x's dtype (§5): x's in mode 0, else y_dtype where the mode allows it, else the mode's default.
+  DType y = a.x.dtype();
+  if (qm == 0) {
+    if (a.y_dtype && *a.y_dtype != y) return;
+  } else {
+    const DType def = qm <= 2 ? DType::i8 : DType::f8e4m3;
+    y = a.y_dtype.value_or(def);
+    const bool ok = y == def || (qm >= 2 && (y == DType::f8e4m3 || y == DType::f8e5m2));
+    if (!ok) return;
+  }
+  auto zeros = [](DType d, at::IntArrayRef shape, const char* what) {
+    at::Tensor t = at::zeros(shape, at::TensorOptions().dtype(torch_dtype(d)).device(at::kCPU));
+    const bool one_byte_format = d == DType::f8e4m3 || d == DType::f8e5m2 || d == DType::e8m0;
+    return from_torch(t, what, one_byte_format ? std::optional<std::string>(dtype_name(d)) : std::nullopt);
+  };
+  const int64_t rows = T * A;
+  if (!a.expand_x_out) a.expand_x_out = zeros(y, {rows, H}, "expand_x_out");
+  if (!a.dynamic_scales_out) {
+    if (qm == 3)
+      a.dynamic_scales_out = zeros(DType::f32, {rows, (H + 127) / 128}, "dynamic_scales_out");
+    else if (qm == 4)
+      a.dynamic_scales_out = zeros(DType::u8, {rows, ((H + 31) / 32 + 1) / 2 * 2}, "dynamic_scales_out");
+    else
+      a.dynamic_scales_out = zeros(DType::f32, {rows}, "dynamic_scales_out");
+  }
+  if (!a.assist_info_for_combine_out)
+    a.assist_info_for_combine_out = zeros(DType::i32, {A * 128}, "assist_info_for_combine_out");
+  if (!a.expert_token_nums_out) a.expert_token_nums_out = zeros(DType::i64, {Lp}, "expert_token_nums_out");
+  if (!a.ep_recv_counts_out) a.ep_recv_counts_out = zeros(DType::i32, {W * T * Lp}, "ep_recv_counts_out");
+  if (!a.tp_recv_counts_out)
+    a.tp_recv_counts_out = zeros(DType::i32, {a.tp_world_size}, "tp_recv_counts_out");
+  if (!a.expand_scales_out)
+    a.expand_scales_out = zeros(DType::f32, {a.expert_scales ? rows : 0}, "expand_scales_out");
+}
+
 // Returns (expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts,
 // tp_recv_counts, expand_scales, expand_x format, dynamic_scales format).
 py::tuple dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, const py::dict& kwargs) {
@@ -131,6 +186,7 @@ py::tuple dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, co
   a.ep_recv_counts_out = k.opt("ep_recv_counts_out");
   a.tp_recv_counts_out = k.opt("tp_recv_counts_out");
   a.expand_scales_out = k.opt("expand_scales_out");
+  if (!k.has("core_allocates")) torch_dispatch_outputs(a);
   moe::OpOptions o = op_options(k);
   Group* tpg = tp_of(tp);
   moe::DispatchV2Result r;

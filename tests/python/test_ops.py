@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import epcomm
-from epcomm import ops
+from epcomm import _C, ops
 
 from harness import gather, spawn
 
@@ -47,6 +47,30 @@ def _reference(xs, idss, ws, p, W, L, shared_ranks=0):
     return rows, tags, scales, cnt, nums
 
 
+class _CoreAllocates:
+    """_C with dispatch_v2's outputs allocated by the C++ operator instead of as torch tensors."""
+
+    def __getattr__(self, name):
+        return getattr(_C, name)
+
+    def moe_dispatch_v2(self, ep, tp, kw):
+        return _C.moe_dispatch_v2(ep, tp, dict(kw, core_allocates=True))
+
+
+def _dispatch(*args, **kw):
+    """dispatch_v2 with torch-allocated outputs, checked against the operator's own allocation (spec §2.4
+    shapes, dtypes, zero tails): the same call twice."""
+    out = ops.npu_moe_distribute_dispatch_v2(*args, **kw)
+    ops._C = _CoreAllocates()
+    try:
+        core = ops.npu_moe_distribute_dispatch_v2(*args, **kw)
+    finally:
+        ops._C = _C
+    for i, (a, b) in enumerate(zip(out, core)):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), f"output {i}"
+    return out
+
+
 def _check_dispatch(out, ref, W, tp=0):
     expand_x, dyn, assist, nums, ep_counts, tp_counts, expand_scales = out
     rows, tags, scales, cnt, ref_nums = ref
@@ -69,7 +93,7 @@ def _ep_body(rank, world):
     pg = dist.group.WORLD
     x, ids, w = _inputs(rank, E)
     xs, idss, ws = zip(*gather((x, ids, w)))
-    out = ops.npu_moe_distribute_dispatch_v2(x, ids, pg, world, rank, E, expert_scales=w)
+    out = _dispatch(x, ids, pg, world, rank, E, expert_scales=w)
     _check_dispatch(out, _reference(xs, idss, ws, rank, world, L), world)
     expand_x, _, assist, _, ep_counts, _, _ = out
     # Identity experts: expand_x goes straight back; torch_npu's positional order, expand_idx alias.
@@ -96,6 +120,10 @@ def _ep_body(rank, world):
         ops.npu_moe_distribute_dispatch_v2(x, ids, pg, world + 1, rank, E)
     out = ops.npu_moe_distribute_dispatch_v2(x, ids, "ep_world", world, rank, E, expert_scales=w)
     _check_dispatch(out, _reference(xs, idss, ws, rank, world, L), world)
+    # Quantized dispatch (default y_dtype) and global_bs: torch-allocated outputs match the operator's own.
+    for mode in (2, 3, 4):
+        _dispatch(x, ids, pg, world, rank, E, quant_mode=mode)
+    _dispatch(x, ids, pg, world, rank, E, global_bs=2 * BS * world)
 
 
 def _shared_body(rank, world):
@@ -105,7 +133,7 @@ def _shared_body(rank, world):
     x, ids, w = _inputs(rank, E, k=1)
     xs, idss, ws = zip(*gather((x, ids, w)))
     kw = dict(shared_expert_num=1, shared_expert_rank_num=1)
-    out = ops.npu_moe_distribute_dispatch_v2(x, ids, pg, world, rank, E, expert_scales=w, **kw)
+    out = _dispatch(x, ids, pg, world, rank, E, expert_scales=w, **kw)
     _check_dispatch(out, _reference(xs, idss, ws, rank, world, L, shared_ranks=1), world)
     expand_x, _, assist, _, ep_counts, _, _ = out
     y = ops.npu_moe_distribute_combine_v2(expand_x, ids, assist, ep_counts, w, pg, world, rank, E, **kw)
@@ -125,7 +153,7 @@ def _tp_body(rank, world):
     peers = [everyone[T * i + 1 - tp] for i in range(W)]
     own = _reference(*zip(*mine), ep, W, 1)
     peer = _reference(*zip(*peers), ep, W, 1)
-    out = ops.npu_moe_distribute_dispatch_v2(x, ids, ep_pgs[tp], W, ep, E, expert_scales=w, group_tp=tp_pgs[ep],
+    out = _dispatch(x, ids, ep_pgs[tp], W, ep, E, expert_scales=w, group_tp=tp_pgs[ep],
                                              tp_world_size=T, tp_rank_id=tp)
     n_own = _check_dispatch(out, own, W, tp=1)
     expand_x, _, assist, nums, ep_counts, tp_counts, _ = out
