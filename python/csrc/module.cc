@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   epcomm::python::bind_errors(m);
   epcomm::python::bind_core(m);
   epcomm::python::bind_buffer(m);
+  epcomm::python::bind_ops(m);
 }

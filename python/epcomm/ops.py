@@ -1,16 +1,30 @@
-"""epcomm.ops: torch_npu-style distribute operators (spec distribute-v2.md §2.2).
+"""epcomm.ops: torch_npu-style distribute operators (spec distribute-v2.md §2.2) on torch CPU tensors.
 
-NOT SUPPORTED YET: the C++ operator family (dispatch_v2 / combine_v2 / combine_add_rms_norm) has not landed,
-so the three functions check their group arguments and then raise NotImplementedError. Their signatures are
-final (torch_npu's positional order, keyword names and defaults, plus epcomm's keywords), so callers can be
-written against them now. register_group works."""
+    epcomm.ops.register_group("ep0", ep_process_group)      # optional: lets group_ep="ep0" work
+    expand_x, dynamic_scales, assist_info, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = \
+        epcomm.ops.npu_moe_distribute_dispatch_v2(x, expert_ids, "ep0", W, rank, E, expert_scales=w)
+    x = epcomm.ops.npu_moe_distribute_combine_v2(expert_out, expert_ids, assist_info, ep_recv_counts, w,
+                                                 "ep0", W, rank, E)
+
+The three functions keep torch_npu's names, positional order, keyword names, defaults and output order, and
+call the C++ operators (epcomm::moe::dispatch_v2 / combine_v2 / combine_add_rms_norm). Every call is
+collective and blocking over the EP group (and the TP pair when tp_world_size = 2). `group_ep`/`group_tp` is a
+torch.distributed ProcessGroup (gloo), an epcomm.Group, or a name registered with register_group; the
+epcomm.Group made for a ProcessGroup is created once (collectively, on its first use) and cached, and so is
+the operator context the C++ side keeps per Group."""
+import math
+
+import torch
 import torch.distributed as dist
 
+from . import _C
+from ._dtypes import PLAIN, _NAME_OF_REAL, as_format
 from ._errors import InvalidUsageError
 
 _registry = {}
-
-_PENDING = "not supported yet: the distribute-v2 operators have not landed"
+# ProcessGroup -> epcomm.Group. Keyed by the ProcessGroup object itself (kept alive here), so a group
+# created again after destroy_process_group gets a new epcomm.Group.
+_groups = {}
 
 
 def register_group(name, group):
@@ -49,8 +63,71 @@ def _resolve(op, which, value, override, required):
     return value
 
 
-def _pending(op):
-    raise NotImplementedError(f"epcomm.ops.{op}: {_PENDING}")
+def _c_group(op, which, group):
+    """The C++ Group behind an epcomm.Group or a ProcessGroup (None stays None). For a ProcessGroup the
+    epcomm.Group and its operator context are created on first use (collective over the group) and cached."""
+    from .group import Group
+
+    if group is None:
+        return None
+    if isinstance(group, Group):
+        return group._c
+    if isinstance(group, dist.ProcessGroup):
+        g = _groups.get(group)
+        if g is None:
+            g = Group(group)
+            # Collective: creating the context up front lets the operators' deadline (not the bootstrap's)
+            # report a rank that misses the first call.
+            _C.moe_init_group_context(g._c)
+            _groups[group] = g
+        return g._c
+    raise InvalidUsageError(f"{op}: argument: {which}: expected a torch.distributed ProcessGroup, an "
+                            f"epcomm.Group or a registered name, got {type(group).__name__}")
+
+
+def _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size):
+    ep = _c_group(op, "group_ep", _resolve(op, "group_ep", group_ep if group_ep is not None else "", ep_group,
+                                           True))
+    tp = None
+    if isinstance(tp_world_size, int) and tp_world_size > 1:
+        tp = _c_group(op, "group_tp", _resolve(op, "group_tp", group_tp if group_tp is not None else "",
+                                               tp_group, True))
+    return ep, tp
+
+
+def _dtype_name(op, which, dtype):
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        name = PLAIN.get(dtype) or _NAME_OF_REAL.get(dtype)
+        if name is not None:
+            return name
+    raise InvalidUsageError(f"{op}: argument: {which}: expected a torch.dtype epcomm knows or None, got {dtype!r}")
+
+
+def _require(op, **values):
+    for name, value in values.items():
+        if value is None:
+            raise InvalidUsageError(f"{op}: argument: {name}: required, got None")
+
+
+def _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout):
+    kw["strict_hardware_limits"] = strict_hardware_limits
+    kw["hccl_buffsize_mb"] = hccl_buffsize_mb
+    if timeout is not None:
+        kw["timeout"] = float(timeout)
+    return kw
+
+
+def _name_or_empty(value):
+    return value if isinstance(value, str) else ""
+
+
+def _assist(op, assist_info_for_combine, expand_idx):
+    if assist_info_for_combine is not None and expand_idx is not None:
+        raise InvalidUsageError(f"{op}: argument: expand_idx: is torch_npu's name for assist_info_for_combine; "
+                                "give one of them")
+    return assist_info_for_combine if assist_info_for_combine is not None else expand_idx
 
 
 def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *,
@@ -62,12 +139,36 @@ def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_ra
                                    x_dtype=None, scales_dtype=None, ep_group=None, tp_group=None,
                                    strict_hardware_limits=None, hccl_buffsize_mb=200, timeout=None):
     """Returns (expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts,
-    tp_recv_counts, expand_scales). Not supported yet (raises NotImplementedError)."""
+    tp_recv_counts, expand_scales), shaped as in spec §2.4 (zero past the valid part). fp8 outputs come as
+    the real torch dtype where torch has it, else as uint8; mode-4 dynamic_scales are E8M0 bytes."""
     op = "npu_moe_distribute_dispatch_v2"
-    _resolve(op, "group_ep", group_ep, ep_group, True)
-    if tp_world_size > 1:
-        _resolve(op, "group_tp", group_tp, tp_group, True)
-    _pending(op)
+    _require(op, ep_world_size=ep_world_size, ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num)
+    ep, tp = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)
+    kw = dict(x=x, expert_ids=expert_ids, scales=scales, x_active_mask=x_active_mask, expert_scales=expert_scales,
+              elastic_info=elastic_info, performance_info=performance_info, group_ep=_name_or_empty(group_ep),
+              group_tp=_name_or_empty(group_tp), comm_alg=comm_alg, ep_world_size=ep_world_size,
+              ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, tp_world_size=tp_world_size,
+              tp_rank_id=tp_rank_id, expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
+              shared_expert_rank_num=shared_expert_rank_num, quant_mode=quant_mode, global_bs=global_bs,
+              expert_token_nums_type=expert_token_nums_type, zero_expert_num=zero_expert_num,
+              copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
+              y_dtype=_dtype_name(op, "y_dtype", y_dtype), x_dtype=_dtype_name(op, "x_dtype", x_dtype),
+              scales_dtype=_dtype_name(op, "scales_dtype", scales_dtype))
+    r = _C.moe_dispatch_v2(ep, tp, _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout))
+    expand_x, dynamic_scales, assist, token_nums, ep_counts, tp_counts, expand_scales, x_fmt, s_fmt = r
+    return (as_format(expand_x, x_fmt), as_format(dynamic_scales, s_fmt), assist, token_nums, ep_counts, tp_counts,
+            expand_scales)
+
+
+def _combine_kwargs(op, expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
+                    group_tp, ep_world_size, ep_rank_id, moe_expert_num, expand_idx, **rest):
+    assist = _assist(op, assist_info_for_combine, expand_idx)
+    _require(op, assist_info_for_combine=assist, ep_send_counts=ep_send_counts, expert_scales=expert_scales,
+             ep_world_size=ep_world_size, ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num)
+    return dict(expand_x=expand_x, expert_ids=expert_ids, assist_info_for_combine=assist,
+                ep_send_counts=ep_send_counts, expert_scales=expert_scales, group_ep=_name_or_empty(group_ep),
+                group_tp=_name_or_empty(group_tp), ep_world_size=ep_world_size, ep_rank_id=ep_rank_id,
+                moe_expert_num=moe_expert_num, **rest)
 
 
 def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine=None, ep_send_counts=None,
@@ -80,13 +181,22 @@ def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine=
                                   comm_quant_mode=0, comm_alg="", zero_expert_num=0, copy_expert_num=0,
                                   const_expert_num=0, ep_group=None, tp_group=None, strict_hardware_limits=None,
                                   hccl_buffsize_mb=200, timeout=None, expand_idx=None):
-    """Returns x. Not supported yet (raises NotImplementedError). `expand_idx` is torch_npu's name for
-    assist_info_for_combine."""
+    """Returns x (Bs, H) in expand_x's dtype. `expand_idx` is torch_npu's name for assist_info_for_combine;
+    ep_send_counts/tp_send_counts are dispatch's ep_recv_counts/tp_recv_counts."""
     op = "npu_moe_distribute_combine_v2"
-    _resolve(op, "group_ep", group_ep if group_ep is not None else "", ep_group, True)
-    if tp_world_size > 1:
-        _resolve(op, "group_tp", group_tp, tp_group, True)
-    _pending(op)
+    kw = _combine_kwargs(op, expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
+                         group_tp, ep_world_size, ep_rank_id, moe_expert_num, expand_idx,
+                         tp_send_counts=tp_send_counts, x_active_mask=x_active_mask, expand_scales=expand_scales,
+                         shared_expert_x=shared_expert_x, elastic_info=elastic_info, ori_x=ori_x,
+                         const_expert_alpha_1=const_expert_alpha_1, const_expert_alpha_2=const_expert_alpha_2,
+                         const_expert_v=const_expert_v, performance_info=performance_info,
+                         tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, expert_shard_type=expert_shard_type,
+                         shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
+                         global_bs=global_bs, comm_quant_mode=comm_quant_mode, comm_alg=comm_alg,
+                         zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
+                         const_expert_num=const_expert_num)
+    ep, tp = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)
+    return _C.moe_combine_v2(ep, tp, _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout))
 
 
 def npu_moe_distribute_combine_add_rms_norm(expand_x, expert_ids, assist_info_for_combine=None,
@@ -104,9 +214,25 @@ def npu_moe_distribute_combine_add_rms_norm(expand_x, expert_ids, assist_info_fo
                                             norm_eps=1e-6, ep_group=None, tp_group=None,
                                             strict_hardware_limits=None, hccl_buffsize_mb=200, timeout=None,
                                             expand_idx=None):
-    """Returns (y, rstd, x). Not supported yet (raises NotImplementedError)."""
+    """Returns (y, rstd, x): y = rms_norm(x + residual_x) * gamma (Bs,1,H), rstd (Bs,1,1) float32, and the
+    combined x + residual_x (Bs,1,H)."""
     op = "npu_moe_distribute_combine_add_rms_norm"
-    _resolve(op, "group_ep", group_ep if group_ep is not None else "", ep_group, True)
-    if tp_world_size > 1:
-        _resolve(op, "group_tp", group_tp, tp_group, True)
-    _pending(op)
+    _require(op, residual_x=residual_x, gamma=gamma)
+    if not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps):
+        raise InvalidUsageError(f"{op}: argument: norm_eps: expected a finite number >= 0, got {norm_eps!r}")
+    kw = _combine_kwargs(op, expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
+                         group_tp, ep_world_size, ep_rank_id, moe_expert_num, expand_idx,
+                         residual_x=residual_x, gamma=gamma, norm_eps=float(norm_eps),
+                         tp_send_counts=tp_send_counts, x_active_mask=x_active_mask,
+                         activation_scale=activation_scale, weight_scale=weight_scale, group_list=group_list,
+                         expand_scales=expand_scales, shared_expert_x=shared_expert_x, elastic_info=elastic_info,
+                         ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
+                         const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
+                         performance_info=performance_info, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id,
+                         expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
+                         shared_expert_rank_num=shared_expert_rank_num, global_bs=global_bs, out_dtype=out_dtype,
+                         comm_quant_mode=comm_quant_mode, group_list_type=group_list_type, comm_alg=comm_alg,
+                         zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
+                         const_expert_num=const_expert_num)
+    ep, tp = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)
+    return _C.moe_combine_add_rms_norm(ep, tp, _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout))

@@ -1,5 +1,5 @@
 """Single-process checks of the Python front: Config, size functions, exception mapping, dtype mapping,
-quantizers, the deep_ep module, the distribute-v2 stubs, and a one-rank Buffer in both strategies."""
+quantizers, the deep_ep module, a one-rank distribute-v2 round trip, and a one-rank Buffer in both strategies."""
 import pickle
 import tempfile
 
@@ -109,22 +109,42 @@ def test_event_overlap():
     assert epcomm.Buffer.capture().is_complete()
 
 
-def test_distribute_ops_are_not_supported_yet(world1):
+def test_distribute_ops_one_rank(world1):
     ops = epcomm.ops
     with pytest.raises(epcomm.InvalidUsageError, match="no group registered under the name 'ep0'"):
         ops.npu_moe_distribute_dispatch_v2(torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.int32), "ep0", 1, 0, 1)
     ops.register_group("ep0", world1)
-    x, ids = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="not supported yet: the distribute-v2 operators have not landed"):
-        ops.npu_moe_distribute_dispatch_v2(x, ids, "ep0", 1, 0, 1, quant_mode=0, global_bs=0)
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        ops.npu_moe_distribute_combine_v2(x, ids, torch.zeros(256, dtype=torch.int32), torch.zeros(1), torch.ones(2, 1),
-                                          "ep0", 1, 0, 1)
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        ops.npu_moe_distribute_combine_add_rms_norm(x, ids, None, None, None, x, torch.ones(8), group_ep=world1,
-                                                    ep_world_size=1, ep_rank_id=0, moe_expert_num=1, norm_eps=1e-5)
+    x = torch.arange(16, dtype=torch.float32).reshape(2, 8).bfloat16()
+    ids, w = torch.zeros(2, 1, dtype=torch.int32), torch.tensor([[0.5], [2.0]])
+    expand_x, dyn, assist, nums, ep_counts, tp_counts, expand_scales = ops.npu_moe_distribute_dispatch_v2(
+        x, ids, "ep0", 1, 0, 1, expert_scales=w, quant_mode=0, global_bs=0)
+    assert torch.equal(expand_x, x) and assist[:6].tolist() == [0, 0, 0, 0, 1, 0]
+    assert nums.tolist() == [2] and ep_counts.tolist() == [2] and tp_counts.numel() == 0
+    assert torch.equal(expand_scales, w.reshape(2))
+    y = ops.npu_moe_distribute_combine_v2(expand_x, ids, assist, ep_counts, w, "ep0", 1, 0, 1)
+    assert torch.equal(y, (x.float() * w).bfloat16())
+    yn, rstd, xn = ops.npu_moe_distribute_combine_add_rms_norm(
+        expand_x, ids, residual_x=x.reshape(2, 1, 8), gamma=torch.ones(8).bfloat16(), group_ep=world1,
+        ep_world_size=1, ep_rank_id=0, moe_expert_num=1, norm_eps=1e-5, expand_idx=assist, ep_send_counts=ep_counts,
+        expert_scales=w)
+    assert yn.shape == (2, 1, 8) and rstd.shape == (2, 1, 1) and rstd.dtype == torch.float32
+    assert torch.equal(xn, (x.float() * (w + 1)).bfloat16().reshape(2, 1, 8))
+    # An epcomm.Group gets its operator context on its first call (created inside the GIL-free call).
+    out = ops.npu_moe_distribute_dispatch_v2(x, ids, None, 1, 0, 1, ep_group=epcomm.Group(world1), timeout=5,
+                                             strict_hardware_limits="")
+    assert torch.equal(out[0], x)
+    # Errors name the parameter.
+    with pytest.raises(epcomm.InvalidUsageError, match="expand_idx"):
+        ops.npu_moe_distribute_combine_v2(expand_x, ids, assist, ep_counts, w, "ep0", 1, 0, 1, expand_idx=assist)
+    with pytest.raises(epcomm.InvalidUsageError, match="moe_expert_num"):
+        ops.npu_moe_distribute_dispatch_v2(x, ids, "ep0", 1, 0, 0)
+    with pytest.raises(epcomm.InvalidUsageError, match="x_dtype"):
+        ops.npu_moe_distribute_dispatch_v2(x, ids, "ep0", 1, 0, 1, x_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group_ep"):
+        ops.npu_moe_distribute_dispatch_v2(x, ids, 42, 1, 0, 1)
     with pytest.raises(epcomm.InvalidUsageError):
         ops.register_group("bad", object())
+    ops.unregister_group("ep0")
 
 
 @pytest.mark.parametrize("mode", ["shm", "alltoall"])
