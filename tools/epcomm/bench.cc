@@ -1,5 +1,7 @@
 // tools/epcomm/bench.cc — `epcomm bench`: times dispatch and combine over local ranks and prints one JSON
 // object per operation and receive order (rank 0, stdout); progress goes to stderr.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -32,7 +34,7 @@ const char* kBenchEpilog =
     "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts, dtype, "
     "quant,\n"
     "launcher, iters, warmup, rows, row_bytes, bytes, bytes_bf16_equiv, time_us_median, time_us_min,\n"
-    "time_us_p99, time_us_max, gbps, gbps_bf16_equiv, memcpy_gbps, verified, segment_bytes.\n\n"
+    "time_us_p99, time_us_max, gbps, gbps_bf16_equiv, memcpy_gbps, verified, segment_bytes, peak_rss_mb.\n\n"
     "Byte formula (aggregate over all ranks, payload only, no per-row metadata):\n"
     "  bytes (dispatch) = sum over ranks of received rows (including rows from the rank itself) x "
     "row_bytes,\n"
@@ -45,7 +47,9 @@ const char* kBenchEpilog =
     "  gbps_bf16_equiv = bytes_bf16_equiv / time_us_median / 1e3 (the rate of useful bf16-valued data).\n"
     "  memcpy_gbps: every rank memcpy's its own tokens (T x H x elem, at least 32 MiB) at the same time\n"
     "  into pre-touched memory; aggregate bytes / the slowest rank's time, median of 5 (the host's copy\n"
-    "  rate, for scale).\n\n"
+    "  rate, for scale).\n"
+    "  peak_rss_mb: the largest peak resident set over the ranks' processes so far (getrusage; with\n"
+    "  --launcher threads it is the whole process), in MiB.\n\n"
     "--quantizers: instead of dispatch and combine, the single-thread throughput of every block quantizer\n"
     "(quant.md §3) and its dequantizer on a --tokens x --hidden bf16 matrix of random values (--hidden a\n"
     "multiple of 32), best of --iters passes each, one JSON line per algorithm and variant:\n"
@@ -166,16 +170,17 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
 }
 
 void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<double>& times,
-                 const std::vector<int64_t>& counts, double memcpy_gbps, int64_t segment_bytes) {
+                 const std::vector<int64_t>& counts, double memcpy_gbps, int64_t segment_bytes,
+                 double peak_rss_mb) {
   const RunOptions& ro = o.run;
   const int R = ro.ranks, iters = ro.iters;
   int64_t rows = 0, dbytes = 0, cbytes = 0;
   bool verified = true;
   for (int s = 0; s < R; ++s) {
-    rows += counts[s * 4 + 0];
-    dbytes += counts[s * 4 + 1];
-    cbytes += counts[s * 4 + 2];
-    verified = verified && counts[s * 4 + 3] == 1;
+    rows += counts[s * 5 + 0];
+    dbytes += counts[s * 5 + 1];
+    cbytes += counts[s * 5 + 2];
+    verified = verified && counts[s * 5 + 3] == 1;
   }
   for (int op = 0; op < 2; ++op) {
     std::vector<double> per_rank;
@@ -214,7 +219,8 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<do
         .add("gbps_bf16_equiv", med > 0 ? static_cast<double>(bf16_bytes) / med / 1e3 : 0.0, 3)
         .add("memcpy_gbps", memcpy_gbps, 3)
         .add("verified", verified)
-        .add("segment_bytes", segment_bytes);
+        .add("segment_bytes", segment_bytes)
+        .add("peak_rss_mb", peak_rss_mb, 1);
     std::printf("%s\n", j.str().c_str());
   }
   std::fflush(stdout);
@@ -250,10 +256,16 @@ int bench_rank(const BenchOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
   for (ReceiveOrder order : o.orders) {
     OrderRun run = run_order(o, order, buffer, bs, in, progress);
     auto times = all_gather_values(bs, run.times);
-    auto counts =
-        all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok});
-    for (int s = 0; s < ro.ranks; ++s) all_ok = all_ok && counts[s * 4 + 3] == 1;
-    if (r == 0) print_lines(o, order, times, counts, memcpy_gbps, buffer.num_nvl_bytes());
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);  // peak resident set of this rank's process so far, in KiB
+    auto counts = all_gather_values(
+        bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok, usage.ru_maxrss});
+    int64_t peak_kib = 0;
+    for (int s = 0; s < ro.ranks; ++s) {
+      all_ok = all_ok && counts[s * 5 + 3] == 1;
+      peak_kib = std::max<int64_t>(peak_kib, counts[s * 5 + 4]);
+    }
+    if (r == 0) print_lines(o, order, times, counts, memcpy_gbps, buffer.num_nvl_bytes(), peak_kib / 1024.0);
   }
   progress.phase("done");
   return all_ok ? kExitOk : kExitFail;
