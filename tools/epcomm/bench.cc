@@ -34,7 +34,8 @@ const char* kBenchEpilog =
     "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts, dtype, "
     "quant,\n"
     "launcher, iters, warmup, rows, row_bytes, bytes, bytes_bf16_equiv, time_us_median, time_us_min,\n"
-    "time_us_p99, time_us_max, gbps, gbps_bf16_equiv, memcpy_gbps, verified, segment_bytes, peak_rss_mb.\n\n"
+    "time_us_p99, time_us_max, gbps, gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes, "
+    "peak_rss_mb.\n\n"
     "Byte formula (aggregate over all ranks, payload only, no per-row metadata):\n"
     "  bytes (dispatch) = sum over ranks of received rows (including rows from the rank itself) x "
     "row_bytes,\n"
@@ -48,6 +49,7 @@ const char* kBenchEpilog =
     "  memcpy_gbps: every rank memcpy's its own tokens (T x H x elem, at least 32 MiB) at the same time\n"
     "  into pre-touched memory; aggregate bytes / the slowest rank's time, median of 5 (the host's copy\n"
     "  rate, for scale).\n"
+    "  ratio_to_memcpy = gbps / memcpy_gbps.\n"
     "  peak_rss_mb: the largest peak resident set over the ranks' processes so far (getrusage; with\n"
     "  --launcher threads it is the whole process), in MiB.\n\n"
     "--quantizers: instead of dispatch and combine, the single-thread throughput of every block quantizer\n"
@@ -218,6 +220,8 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<do
         .add("gbps", med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0, 3)
         .add("gbps_bf16_equiv", med > 0 ? static_cast<double>(bf16_bytes) / med / 1e3 : 0.0, 3)
         .add("memcpy_gbps", memcpy_gbps, 3)
+        .add("ratio_to_memcpy",
+             med > 0 && memcpy_gbps > 0 ? static_cast<double>(bytes) / med / 1e3 / memcpy_gbps : 0.0, 3)
         .add("verified", verified)
         .add("segment_bytes", segment_bytes)
         .add("peak_rss_mb", peak_rss_mb, 1);
