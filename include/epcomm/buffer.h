@@ -152,6 +152,16 @@ class Buffer {
   double timeout_s() const;
   int64_t num_nvl_bytes() const;
 
+  // What this rank sent to other nodes since the Buffer was created (all zero on one node). Read it between
+  // calls (after their events completed): the communication thread updates it.
+  struct InternodeCounters {
+    int64_t rows = 0;           // dispatch rows: one per (token, other node that needs it)
+    int64_t row_bytes = 0;      // their payload bytes (data + scales)
+    int64_t network_bytes = 0;  // everything handed to the network: rows, routing, headers, partials, signals
+    int64_t network_writes = 0;
+  };
+  InternodeCounters internode_counters() const;
+
   // Local: no communication.
   LayoutResult get_dispatch_layout(const Tensor& topk_idx, int num_experts,
                                    std::optional<EventOverlap> previous_event = std::nullopt,

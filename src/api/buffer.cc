@@ -6,6 +6,7 @@
 #include <map>
 
 #include "api/event_state.h"
+#include "bootstrap/subgroup.h"
 #include "common/check.h"
 #include "common/env.h"
 #include "routing/layout.h"
@@ -41,7 +42,7 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   b.allocator = options.allocator ? options.allocator : default_allocator();
 
   // Node partition (spec §6).
-  const int R = b.num_ranks, P = options.ranks_per_node;
+  const int R = b.num_ranks, P = options.ranks_per_node ? options.ranks_per_node : env::ranks_per_node();
   EPCOMM_CHECK(P >= 0, pre, "argument: ranks_per_node: expected >= 0, got ", P);
   b.node_of_rank.resize(R);
   if (P > 0) {
@@ -82,19 +83,73 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
     auto [differ, s] = per_rank(field);
     EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", name, ": ", s);
   }
-  EPCOMM_CHECK(b.num_nodes == 1, pre, "argument: the ranks span ", b.num_nodes,
-               " nodes; internode dispatch (UCX) is not supported yet: run all ranks on one host with "
-               "ranks_per_node = 0 or = the number of ranks");
   const int64_t minimum =
       static_cast<int64_t>(engine::control_bytes(R)) + 4 * static_cast<int64_t>(engine::kAlign);
   EPCOMM_CHECK(b.nvl_bytes >= minimum, pre, "capacity: num_nvl_bytes = ", b.nvl_bytes,
                " is below the control part of the segment plus 256 bytes (", minimum, " bytes for ", R,
                " ranks)");
 
-  b.transport =
-      make_shm_transport(group->bootstrap(), static_cast<size_t>(b.nvl_bytes), group->next_instance());
+  if (b.num_nodes > 1) {
+    b.setup_internode(pre);
+  } else {
+    b.transport =
+        make_shm_transport(group->bootstrap(), static_cast<size_t>(b.nvl_bytes), group->next_instance());
+  }
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
   b.start_comm_thread();
+}
+
+// Internode (spec §6): equal node sizes, a shared-memory transport over this node's ranks whose segments
+// also hold one lane per node (num_rdma_bytes in all), and the network to our rail peers on the other nodes.
+void Buffer::Impl::setup_internode(const std::string& pre) {
+  const int R = num_ranks, M = num_nodes;
+  engine::Topology& t = (inter = std::make_unique<engine::Internode>())->topo;
+  t.rank = rank;
+  t.size = R;
+  t.num_nodes = M;
+  t.node_of = node_of_rank;
+  t.node_ranks.assign(M, {});
+  t.local_index.assign(R, 0);
+  for (int r = 0; r < R; ++r) {
+    t.local_index[r] = static_cast<int>(t.node_ranks[node_of_rank[r]].size());
+    t.node_ranks[node_of_rank[r]].push_back(r);
+  }
+  std::string sizes;
+  bool equal = true;
+  for (int n = 0; n < M; ++n) {
+    sizes += detail::cat(n ? ", " : "", "node ", n, ": ", t.node_ranks[n].size());
+    equal = equal && t.node_ranks[n].size() == t.node_ranks[0].size();
+  }
+  EPCOMM_CHECK(equal, pre, "argument: nodes must have equal numbers of ranks, got ", sizes);
+  const int P = t.ranks_per_node = static_cast<int>(t.node_ranks[0].size());
+
+  const int64_t rdma = options.num_rdma_bytes ? options.num_rdma_bytes : kDefaultSegmentBytes;
+  inter->lane_bytes = static_cast<size_t>(rdma / M) / 4096 * 4096;
+  const size_t minimum = engine::lane_overhead_bytes(P, R) + 4096;
+  EPCOMM_CHECK(inter->lane_bytes >= minimum, pre, "capacity: num_rdma_bytes = ", rdma, " gives each of the ", M,
+               " nodes a lane of ", inter->lane_bytes, " bytes, below the minimum of ", minimum,
+               " (num_rdma_bytes >= ", minimum * M, ")");
+  inter->lane = engine::carve_lane(inter->lane_bytes, P, R);
+  inter->lanes_offset = (static_cast<size_t>(nvl_bytes) + 4095) / 4096 * 4096;
+  const size_t region = inter->lane_bytes * M;
+
+  node_bootstrap = make_subgroup_bootstrap(group->bootstrap(), t.node_ranks[t.node()],
+                                           detail::cat("n", t.node()));
+  transport = make_shm_transport(*node_bootstrap, inter->lanes_offset + region, group->next_instance());
+
+  NetworkOptions no;
+  for (int n = 0; n < M; ++n)
+    if (n != t.node()) no.peers.push_back(t.rail(n));
+  no.region = transport->segment(t.local_index[rank]) + inter->lanes_offset;
+  no.region_bytes = region;
+  no.timeout_s = timeout_s;
+  Transport* tp = transport.get();
+  // An arrival may concern any rank of this node (a mirrored header, window or failure): wake them all.
+  no.on_arrival = [tp](int) {
+    for (int l = 0; l < tp->size(); ++l) tp->notify(l);
+  };
+  network = make_ucx_network(group->bootstrap(), no);
+  inter->net = network.get();
 }
 
 Buffer::~Buffer() {
@@ -107,6 +162,7 @@ Buffer::~Buffer() {
 void Buffer::destroy() {
   if (!impl_ || impl_->destroyed) return;
   impl_->stop_comm_thread();
+  impl_->network.reset();  // before the segments its region lives in
   impl_->transport.reset();
   impl_->alive.reset();
   impl_->destroyed = true;
@@ -118,6 +174,17 @@ int Buffer::rank() const {
 int Buffer::num_ranks() const {
   return impl_->num_ranks;
 }
+Buffer::InternodeCounters Buffer::internode_counters() const {
+  InternodeCounters c;
+  if (!impl_->inter || !impl_->network) return c;
+  c.rows = static_cast<int64_t>(impl_->inter->rows_sent);
+  c.row_bytes = static_cast<int64_t>(impl_->inter->row_bytes_sent);
+  NetworkCounters n = impl_->network->counters();
+  c.network_bytes = static_cast<int64_t>(n.payload_bytes);
+  c.network_writes = static_cast<int64_t>(n.writes);
+  return c;
+}
+
 int Buffer::num_nodes() const {
   return impl_->num_nodes;
 }
@@ -212,7 +279,7 @@ static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, e
                                                   std::string failed_message, Body body) {
   auto st = std::make_shared<detail::EventState>();
   b.enqueue([&b, s, kind, previous, failed_message, body, st]() mutable {
-    engine::OpContext ctx(*b.transport, b.layout, s, kind, b.timeout_s);
+    engine::OpContext ctx(*b.transport, b.layout, s, kind, b.timeout_s, b.inter.get());
     bool moving = false;
     try {
       if (previous && failed_message.empty()) {

@@ -10,8 +10,10 @@
 
 #include "engine/combine.h"
 #include "engine/dispatch.h"
+#include "engine/internode.h"
 #include "engine/protocol.h"
 #include "epcomm/buffer.h"
+#include "transport/network.h"
 #include "transport/transport.h"
 
 namespace epcomm {
@@ -24,7 +26,10 @@ struct Buffer::Impl {
   double timeout_s = 100;
   int64_t nvl_bytes = 0;
   std::shared_ptr<Allocator> allocator;
-  std::unique_ptr<Transport> transport;
+  std::unique_ptr<Bootstrap> node_bootstrap;  // internode: the ranks of this node (the shm transport's group)
+  std::unique_ptr<Transport> transport;       // this node's ranks (all ranks on one node)
+  std::unique_ptr<Network> network;           // internode only: to the rail peers on the other nodes
+  std::unique_ptr<engine::Internode> inter;   // internode only
   engine::SegmentLayout layout;
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
   uint64_t seq = 0;                                       // last sequence number issued
@@ -40,6 +45,7 @@ struct Buffer::Impl {
   std::deque<std::function<void()>> queue;
   bool stop = false;
 
+  void setup_internode(const std::string& pre);
   void start_comm_thread();
   void stop_comm_thread() noexcept;
   void enqueue(std::function<void()> task);

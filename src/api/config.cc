@@ -3,6 +3,7 @@
 #include <atomic>
 
 #include "common/check.h"
+#include "engine/internode.h"
 #include "engine/protocol.h"
 #include "epcomm/buffer.h"
 
@@ -47,9 +48,31 @@ int64_t min_nvl_bytes(int64_t row_bytes, int num_topk, int num_ranks, int /*rank
          data_bytes_for(row_bytes, num_topk, num_ranks, 1);
 }
 
-int64_t min_rdma_bytes(int64_t, int, int, int) {
-  return 0;
-}  // one node: no internode staging
+// Internode: every rank keeps one lane per node (engine/internode.h); a lane must hold the lane's control
+// part and one token's dispatch entry (two halves) or combine window (copies, routing, f32 partial).
+static int64_t rdma_bytes_for(int64_t row_bytes, int num_topk, int num_ranks, int ranks_per_node, int64_t tokens) {
+  using namespace engine;
+  if (ranks_per_node <= 0 || ranks_per_node >= num_ranks) return 0;  // one node: no internode staging
+  EPCOMM_CHECK(num_ranks % ranks_per_node == 0, "ranks_per_node = ", ranks_per_node,
+               " must divide the number of ranks ", num_ranks);
+  const int M = num_ranks / ranks_per_node;
+  const size_t meta = align64(std::max<size_t>(static_cast<size_t>(num_topk) * 8, 1));
+  const size_t row = align64(static_cast<size_t>(row_bytes));
+  const size_t dispatch = 2 * (align64(8 + 4 * static_cast<size_t>(tokens)) + tokens * (meta + row));
+  const int slots = std::max(num_topk, num_ranks);
+  const size_t combine = static_cast<size_t>(tokens) * slots * (row + align64(4 * static_cast<size_t>(num_topk))) +
+                         align64(8 + tokens * (4 + 8 * static_cast<size_t>(num_topk) + num_ranks)) +
+                         tokens * align64(2 * static_cast<size_t>(row_bytes) + 4 * num_topk) + 3 * kAlign;
+  const size_t lane = lane_overhead_bytes(ranks_per_node, num_ranks) + std::max<size_t>(std::max(dispatch, combine), 4096);
+  return static_cast<int64_t>(M) * static_cast<int64_t>((lane + 4095) / 4096 * 4096);
+}
+
+int64_t min_rdma_bytes(int64_t row_bytes, int num_topk, int num_ranks, int ranks_per_node) {
+  EPCOMM_CHECK(row_bytes >= 1 && num_topk >= 0 && num_ranks >= 1 && ranks_per_node >= 0,
+               "min_rdma_bytes: row_bytes >= 1, num_topk >= 0, num_ranks >= 1 and ranks_per_node >= 0 required, got ",
+               row_bytes, ", ", num_topk, ", ", num_ranks, ", ", ranks_per_node);
+  return rdma_bytes_for(row_bytes, num_topk, num_ranks, ranks_per_node, 1);
+}
 
 int64_t Config::get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks, int /*ranks_per_node*/) const {
   validate();
@@ -58,8 +81,9 @@ int64_t Config::get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks, in
          data_bytes_for(hidden_bytes, 32, num_ranks, num_max_nvl_chunked_recv_tokens);
 }
 
-int64_t Config::get_rdma_buffer_size_hint(int64_t, int, int) const {
-  return 0;
+int64_t Config::get_rdma_buffer_size_hint(int64_t hidden_bytes, int num_ranks, int ranks_per_node) const {
+  validate();
+  return rdma_bytes_for(hidden_bytes, 32, num_ranks, ranks_per_node, num_max_rdma_chunked_recv_tokens);
 }
 
 }  // namespace epcomm

@@ -18,6 +18,9 @@ const Knob kKnobs[] = {
     {"EPCOMM_SPIN", "auto",
      "polls of a doorbell before a waiter sleeps on its futex (auto: 4000, or 16 when ranks outnumber "
      "cores)"},
+    {"EPCOMM_RANKS_PER_NODE", "0",
+     "node partition of Buffers created with ranks_per_node = 0: P > 0 splits the ranks into nodes of P "
+     "consecutive ranks (virtual nodes on one host talk over UCX only); 0 = one node per host"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -53,6 +56,16 @@ bool normal_int8() {
   auto a = get("DEEP_NORMAL_MODE_USE_INT8_QUANT");
   auto b = get("EPCOMM_NORMAL_INT8");
   return (a && *a == "1") || (b && *b == "1");
+}
+
+int ranks_per_node() {
+  auto v = get("EPCOMM_RANKS_PER_NODE");
+  if (!v) return 0;
+  char* end = nullptr;
+  long p = std::strtol(v->c_str(), &end, 10);
+  EPCOMM_CHECK(end && *end == '\0' && p >= 0 && p < (1 << 20),
+               "EPCOMM_RANKS_PER_NODE: expected a number of ranks >= 0, got '", *v, "'");
+  return static_cast<int>(p);
 }
 
 int spin_count(int local_ranks) {

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
+#include <functional>
 
 #include "engine/dispatch.h"
 #include "engine/kernels.h"
@@ -13,6 +15,308 @@
 namespace epcomm::engine {
 
 using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Internode: what a lane's data area holds during a combine (the same W everywhere): the copy window that
+// the proxy's node fills for a remote origin, the routing the origin sends for it, and the f32 partials the
+// proxy sends back (into the origin's lane for the proxy's node).
+struct CombineLane {
+  size_t meta_entry = 0, meta_off = 0, partial_stride = 0, partial_off = 0;
+  int64_t window = 0;
+};
+CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t W, size_t meta_entry,
+                         size_t partial_bytes) {
+  CombineLane c;
+  c.meta_entry = meta_entry;
+  c.partial_stride = align64(partial_bytes);
+  auto fits = [&](int64_t w, CombineLane& out) {
+    out.meta_off = align64(static_cast<size_t>(w) * geo.slots * (geo.row_stride + geo.weight_stride));
+    out.partial_off = out.meta_off + align64(8 + static_cast<size_t>(w) * meta_entry);
+    return out.partial_off + static_cast<size_t>(w) * out.partial_stride <= data_bytes;
+  };
+  const size_t per = geo.slots * (geo.row_stride + geo.weight_stride) + meta_entry + c.partial_stride;
+  int64_t w = std::min<int64_t>(W, static_cast<int64_t>(data_bytes / per));
+  while (w > 0 && !fits(w, c)) --w;
+  c.window = w;
+  if (w > 0) fits(w, c);
+  return c;
+}
+
+// The internode part of a combine (spec §6): as origin, send each window's routing to the proxies of the
+// nodes that hold copies, then reduce with their partials; as proxy of our rail peers, open their windows to
+// our node, reduce what our node wrote into one f32 partial per token and send it back.
+class Hierarchy {
+ public:
+  using CopyOf = std::function<std::pair<const uint8_t*, const float*>(int64_t t, int slot)>;
+
+  Hierarchy(OpContext& ctx, const CombineInput& in, const Handle::Impl& hd, const CombineGeometry& geo,
+            const CombineLane& cl, uint8_t* cx, float* cw)
+      : ctx_(ctx), in_(in), hd_(hd), geo_(geo), cl_(cl), cx_(cx), cw_(cw), inter_(ctx.internode()) {
+    if (!inter_) return;
+    const Topology& t = inter_->topo;
+    R_ = t.size;
+    M_ = t.num_nodes;
+    me_ = t.rank;
+    node_ = t.node();
+    K_ = hd.num_topk;
+    L_ = hd.num_local;
+    W_ = geo.window;
+    expert_ = hd.order == ReceiveOrder::expert_major;
+    seq_ = ctx.seq();
+    weights_off_ = static_cast<size_t>(W_) * geo.slots * geo.row_stride;
+    has_g_ = in.has_recv_weights;
+    // Our tokens each other node holds copies of.
+    tokens_.assign(M_, {});
+    for (int64_t tk = 0; tk < hd.num_tokens; ++tk)
+      for (int n = 0; n < M_; ++n)
+        if (n != node_ && holds(tk, n)) tokens_[n].push_back(static_cast<int32_t>(tk));
+    send_cursor_.assign(M_, 0);
+    reduce_cursor_.assign(M_, 0);
+    routing_.assign(M_, {});
+    // As proxy of rail peer s (node n): the ranks of our node holding copies of s's tokens, its windows.
+    proxy_.assign(M_, {});
+    for (int n = 0; n < M_; ++n) {
+      if (n == node_) continue;
+      Proxied& p = proxy_[n];
+      p.source = t.rail(n);
+      const int32_t* tpr = ctx.counts(p.source) + ctx.header(p.source)->num_counts - R_;
+      for (int d : t.node_ranks[node_])
+        if (tpr[d] > 0) p.contributors.push_back(d);
+      const int64_t Ts = ctx.header(p.source)->num_tokens;
+      p.nwin = p.contributors.empty() ? 0 : (Ts + W_ - 1) / W_;
+    }
+  }
+
+  // The routing buffers of the previous window may be reused (the network is done with them).
+  bool routing_free() const { return last_routing_ == 0 || inter_->net->complete(last_routing_); }
+
+  // Opens our window w on the other nodes: the routing of its tokens each node holds copies of.
+  void send_routing(int64_t w) {
+    const int64_t t1 = std::min(hd_.num_tokens, (w + 1) * W_);
+    for (int n = 0; n < M_; ++n) {
+      if (n == node_ || tokens_[n].empty()) continue;
+      const std::vector<int32_t>& list = tokens_[n];
+      size_t c0 = send_cursor_[n], c1 = c0;
+      while (c1 < list.size() && list[c1] < t1) ++c1;
+      send_cursor_[n] = c1;
+      std::vector<uint8_t>& buf = routing_[n];
+      buf.assign(8 + (c1 - c0) * cl_.meta_entry, 0);
+      *reinterpret_cast<int32_t*>(buf.data()) = static_cast<int32_t>(c1 - c0);
+      uint8_t* e = buf.data() + 8;
+      for (size_t c = c0; c < c1; ++c, e += cl_.meta_entry) {
+        const int64_t tk = list[c];
+        std::memcpy(e, &list[c], 4);
+        if (expert_) {
+          std::memcpy(e + 4, &hd_.topk_ids[tk * K_], 4 * static_cast<size_t>(K_));
+          std::memcpy(e + 4 + 4 * K_, &in_.weights_used[tk * K_], 4 * static_cast<size_t>(K_));
+        } else {
+          std::memcpy(e + 4, &hd_.in_rank[tk * R_], static_cast<size_t>(R_));
+        }
+      }
+      Network::Piece piece{buf.data(), buf.size()};
+      last_routing_ = std::max(last_routing_, ctx_.write_lane(inter_->topo.rail(n), &piece, 1,
+                                                             inter_->lane.data + cl_.meta_off,
+                                                             offsetof(LaneControl, meta_ready), pack(seq_, w + 1)));
+    }
+  }
+
+  // Origin: reduces window w from our node's copies and the other nodes' partials (§5.1 across nodes).
+  void reduce(int64_t w, const CopyOf& copy_of) {
+    const int64_t t0 = w * W_, t1 = std::min(hd_.num_tokens, t0 + W_);
+    const size_t row_bytes = static_cast<size_t>(in_.hidden) * dtype_size(in_.dtype);
+    own_.resize(static_cast<size_t>(in_.hidden) + K_);
+    std::vector<size_t> entry(M_, 0);  // next partial of each node in this window
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* parts[kMaxParts];
+      const float* wparts[kMaxParts];
+      int np = 0;
+      for (int n = 0; n < M_; ++n) {
+        if (n == node_) {
+          if (own_partial(t, copy_of)) {
+            wparts[np] = own_.data() + in_.hidden;
+            parts[np++] = own_.data();
+          }
+          continue;
+        }
+        const std::vector<int32_t>& list = tokens_[n];
+        if (reduce_cursor_[n] >= list.size() || list[reduce_cursor_[n]] != t) continue;
+        ++reduce_cursor_[n];
+        const float* p = reinterpret_cast<const float*>(ctx_.lane_base(me_, n) + inter_->lane.data + cl_.partial_off +
+                                                        entry[n]++ * cl_.partial_stride);
+        wparts[np] = p + in_.hidden;
+        parts[np++] = p;
+      }
+      finish_partials(in_.dtype, parts, np, in_.hidden, in_.bias1 ? in_.bias1 + t * row_bytes : nullptr,
+                      in_.bias2 ? in_.bias2 + t * row_bytes : nullptr, cx_ + t * row_bytes);
+      if (!expert_ && cw_)
+        for (int k = 0; k < K_; ++k) {
+          float acc = 0.0f;
+          for (int j = 0; j < np; ++j) acc = acc + wparts[j][k];
+          cw_[t * K_ + k] = acc;
+        }
+    }
+  }
+
+  // Proxy duties; true once every proxied window was reduced and sent and the network is done with it all.
+  bool serve_as_proxy(bool& progressed) {
+    bool all = true;
+    for (int n = 0; n < M_; ++n) {
+      if (n == node_) continue;
+      Proxied& p = proxy_[n];
+      LaneControl* lc = ctx_.lane_control(me_, n);
+      if (p.opened == p.reduced && p.opened < p.nwin &&
+          lc->meta_ready.load(std::memory_order_acquire) >= pack(seq_, p.opened + 1)) {
+        ++p.opened;
+        ctx_.signal(lc->mirror.combine_open, pack(seq_, p.opened), me_);
+        for (int d : p.contributors)
+          if (d != me_) ctx_.notify(d);
+        progressed = true;
+      }
+      if (p.reduced < p.opened && contributors_done(p, n) && (p.ticket == 0 || inter_->net->complete(p.ticket))) {
+        send_partials(p, n);
+        ++p.reduced;
+        progressed = true;
+      }
+      all = all && p.reduced == p.nwin && (p.ticket == 0 || inter_->net->complete(p.ticket));
+    }
+    return all && routing_free();
+  }
+
+ private:
+  static constexpr int kMaxParts = 1024;
+  struct Proxied {
+    int source = -1;
+    std::vector<int> contributors;
+    int64_t nwin = 0, opened = 0, reduced = 0;
+    uint64_t ticket = 0;
+    std::vector<float> partials;
+  };
+
+  // Does node n hold a copy of our token t?
+  bool holds(int64_t t, int n) const {
+    if (expert_) {
+      for (int k = 0; k < K_; ++k) {
+        const int32_t e = hd_.topk_ids[t * K_ + k];
+        if (e >= 0 && ctx_.node_of(e / L_) == n) return true;
+      }
+      return false;
+    }
+    for (int d : inter_->topo.node_ranks[n])
+      if (hd_.in_rank[t * R_ + d]) return true;
+    return false;
+  }
+
+  // Our node's partial of our token t into own_; false when our node holds no copy.
+  bool own_partial(int64_t t, const CopyOf& copy_of) {
+    const uint8_t* rows[kMaxParts];
+    float wts[kMaxParts];
+    const float* gs[kMaxParts];
+    int n = 0;
+    if (expert_) {
+      for (int k = 0; k < K_; ++k) {
+        const int32_t e = hd_.topk_ids[t * K_ + k];
+        if (e < 0 || ctx_.node_of(e / L_) != node_) continue;
+        rows[n] = copy_of(t, k).first;
+        wts[n++] = in_.weights_used[t * K_ + k];
+      }
+    } else {
+      for (int d : inter_->topo.node_ranks[node_]) {
+        if (!hd_.in_rank[t * R_ + d]) continue;
+        auto c = copy_of(t, d);
+        rows[n] = c.first;
+        gs[n++] = c.second;
+      }
+    }
+    if (n == 0) return false;
+    reduce_partial(in_.dtype, rows, expert_ ? wts : nullptr, n, in_.hidden, own_.data());
+    if (!expert_ && has_g_) sum_weights(gs, n, own_.data() + in_.hidden);
+    return true;
+  }
+
+  void sum_weights(const float* const* gs, int n, float* out) const {
+    for (int k = 0; k < K_; ++k) {
+      float p = 0.0f;
+      for (int j = 0; j < n; ++j) p = p + gs[j][k];
+      out[k] = p;
+    }
+  }
+
+  bool contributors_done(const Proxied& p, int n) const {
+    for (int d : p.contributors)
+      if (ctx_.cell(p.source, d)->done.load(std::memory_order_acquire) < pack(seq_, p.reduced + 1)) return false;
+    (void)n;
+    return true;
+  }
+
+  // Reduces what our node wrote for window p.reduced of rail peer p.source and sends the partials back.
+  void send_partials(Proxied& p, int n) {
+    const uint8_t* lane = ctx_.lane_base(me_, n) + inter_->lane.data;
+    const uint8_t* meta = lane + cl_.meta_off;
+    const int64_t count = *reinterpret_cast<const int32_t*>(meta);
+    const int64_t t0 = p.reduced * W_;
+    const size_t stride = cl_.partial_stride / 4;
+    p.partials.assign(static_cast<size_t>(count) * stride, 0.0f);
+    const uint8_t* rows[kMaxParts];
+    float wts[kMaxParts];
+    const float* gs[kMaxParts];
+    for (int64_t e = 0; e < count; ++e) {
+      const uint8_t* m = meta + 8 + e * cl_.meta_entry;
+      int32_t t;
+      std::memcpy(&t, m, 4);
+      int c = 0;
+      auto slot = [&](int s) {
+        const size_t idx = static_cast<size_t>(t - t0) * geo_.slots + s;
+        return std::make_pair(lane + idx * geo_.row_stride,
+                              reinterpret_cast<const float*>(lane + weights_off_ + idx * geo_.weight_stride));
+      };
+      if (expert_) {
+        for (int k = 0; k < K_; ++k) {
+          int32_t id;
+          float wk;
+          std::memcpy(&id, m + 4 + 4 * k, 4);
+          std::memcpy(&wk, m + 4 + 4 * K_ + 4 * k, 4);
+          if (id < 0 || ctx_.node_of(id / L_) != node_) continue;
+          rows[c] = slot(k).first;
+          wts[c++] = wk;
+        }
+      } else {
+        for (int d : inter_->topo.node_ranks[node_]) {
+          if (!m[4 + d]) continue;
+          rows[c] = slot(d).first;
+          gs[c++] = slot(d).second;
+        }
+      }
+      float* out = p.partials.data() + e * stride;
+      reduce_partial(in_.dtype, rows, expert_ ? wts : nullptr, c, in_.hidden, out);
+      if (!expert_ && has_g_) sum_weights(gs, c, out + in_.hidden);
+    }
+    Network::Piece piece{p.partials.data(), p.partials.size() * sizeof(float)};
+    p.ticket = ctx_.write_lane(p.source, &piece, 1, inter_->lane.data + cl_.partial_off,
+                               offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done), pack(seq_, p.reduced + 1));
+  }
+
+  OpContext& ctx_;
+  const CombineInput& in_;
+  const Handle::Impl& hd_;
+  CombineGeometry geo_;
+  CombineLane cl_;
+  uint8_t* cx_;
+  float* cw_;
+  Internode* inter_;
+  int R_ = 1, M_ = 1, me_ = 0, node_ = 0, K_ = 0, L_ = 1;
+  int64_t W_ = 1;
+  bool expert_ = true, has_g_ = false;
+  uint64_t seq_ = 0, last_routing_ = 0;
+  size_t weights_off_ = 0;
+  std::vector<std::vector<int32_t>> tokens_;
+  std::vector<size_t> send_cursor_, reduce_cursor_;
+  std::vector<std::vector<uint8_t>> routing_;
+  std::vector<Proxied> proxy_;
+  std::vector<float> own_;
+};
+
+}  // namespace
 
 void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
                  const std::function<void()>& on_shapes) {
@@ -37,6 +341,14 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   h.expert_alignment = hd.expert_alignment;
   h.handle_id = hd.seq;
   std::copy(std::begin(in.chunks), std::end(in.chunks), h.chunks);
+  Internode* inter = ctx.internode();
+  const int M = inter ? inter->topo.num_nodes : 1;
+  if (inter) {  // proxies learn which ranks of their node hold copies of our tokens
+    h.num_counts = hd.num_experts + R;
+    int32_t* c = ctx.counts(me);
+    std::fill(c, c + hd.num_experts, 0);
+    std::copy(hd.tokens_per_rank.begin(), hd.tokens_per_rank.end(), c + hd.num_experts);
+  }
   ctx.publish_header();
   ctx.exchange_headers();
   check_headers_match(ctx);
@@ -48,10 +360,27 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   // Two halves when a window fits in half the area: contributors fill window w + 1 while the origin reduces
   // w.
   const size_t half = ctx.layout().data_bytes / 2 / kAlign * kAlign;
-  const bool two = combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
+  const bool two = !inter && combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
   const int64_t halves = two ? 2 : 1;
   const size_t area_bytes = two ? half : ctx.layout().data_bytes;
-  const CombineGeometry geo = combine_geometry(area_bytes, row_bytes, slots, wbytes);
+  CombineGeometry geo = combine_geometry(area_bytes, row_bytes, slots, wbytes);
+  // Internode routing entry: token index, then K expert ids and K weights (expert_major) or R destination
+  // flags (rank_major). Partial: H' f32, then K f32 of reduced receiving-side weights (rank_major).
+  const size_t meta_entry = expert ? 4 + 8 * static_cast<size_t>(K) : (4 + static_cast<size_t>(R) + 3) / 4 * 4;
+  const size_t partial_bytes = 4 * static_cast<size_t>(Hc) + (!expert && wbytes ? 4 * static_cast<size_t>(K) : 0);
+  CombineLane cl;
+  if (inter) {
+    cl = combine_lane(inter->lane.data_bytes, geo, geo.window, meta_entry, partial_bytes);
+    if (geo.window >= 1 && cl.window < 1)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane_bytes * M,
+                   " (one lane of ", inter->lane_bytes, " bytes per node) cannot hold the copies of one token (",
+                   slots, " x ", row_bytes, " bytes) with its routing and f32 partial; the minimum for this call is ",
+                   M * (lane_overhead_bytes(inter->topo.ranks_per_node, R) +
+                        combine_min_data_bytes(row_bytes, slots, wbytes) + 3 * kAlign + meta_entry +
+                        align64(partial_bytes)));
+    geo.window = std::min(geo.window, cl.window);
+    cl = combine_lane(inter->lane.data_bytes, geo, geo.window, meta_entry, partial_bytes);
+  }
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
                  " cannot hold the ", slots, " copies of one token (", row_bytes,
@@ -115,12 +444,22 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   float wts[1024];
   uint8_t* cx = out.combined_x.data_as<uint8_t>();
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
+  // The copy of slot `slot` of token t in window w: our own expert output in place, or a peer's in the window;
+  // with its receiving-side weights (rank_major).
+  auto reduce_copy_of = [&](int64_t w, int64_t t, int slot) -> std::pair<const uint8_t*, const float*> {
+    const uint8_t* win = my_area + static_cast<size_t>(w % halves) * area_bytes;
+    const size_t idx = static_cast<size_t>(t - w * W) * slots + slot;
+    const size_t l = static_cast<size_t>(w % halves) * WL * slots + idx;
+    const uint8_t* row = local_rows[l] ? local_rows[l] : win + idx * geo.row_stride;
+    const float* g = local_weights[l] ? local_weights[l]
+                                      : reinterpret_cast<const float*>(win + weights_off + idx * geo.weight_stride);
+    return {row, g};
+  };
   auto reduce = [&](int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(T, t0 + W);
     const uint8_t* win = my_area + static_cast<size_t>(w % halves) * area_bytes;
     const uint8_t** lrow = local_rows.data() + static_cast<size_t>(w % halves) * WL * slots;
     const float** lw = local_weights.data() + static_cast<size_t>(w % halves) * WL * slots;
-    // The copy of slot `slot` of token t: our own expert output in place, or a peer's in the window.
     auto copy_of = [&](int64_t t, int slot) -> const uint8_t* {
       const size_t idx = static_cast<size_t>(t - t0) * slots + slot;
       return lrow[idx] ? lrow[idx] : win + idx * geo.row_stride;
@@ -162,6 +501,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   };
 
   int64_t reduced = 0, opened = 0;
+  Hierarchy hier(ctx, in, hd, geo, cl, cx, cw);
   auto contributors_done = [&](int64_t w) {
     for (int p = 0; p < R; ++p)
       if (hd.tokens_per_rank[p] > 0 &&
@@ -172,11 +512,12 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   ctx.run(
       "data",
       [&](bool& progressed) {
-        if (opened < my_nwin && opened < reduced + halves) {
+        if (opened < my_nwin && opened < reduced + halves && (!inter || hier.routing_free())) {
+          if (inter) hier.send_routing(opened);
           ++opened;
           ctx.control(me)->combine_open.store(pack(seq, opened), std::memory_order_seq_cst);
           for (int p = 0; p < R; ++p)
-            if (hd.tokens_per_rank[p] > 0 && p != me) ctx.transport().notify(p);
+            if (hd.tokens_per_rank[p] > 0 && p != me && !ctx.remote(p)) ctx.notify(p);
           progressed = true;
         }
         bool all = true;
@@ -194,10 +535,17 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
           all = all && filled[s] == nwin[s];
         }
         if (reduced < opened && contributors_done(reduced)) {
-          reduce(reduced);
+          if (inter)
+          {
+            hier.reduce(reduced, [&](int64_t t, int slot) { return reduce_copy_of(reduced, t, slot); });
+            std::fill(local_rows.begin(), local_rows.end(), nullptr);  // one window at a time internode
+            std::fill(local_weights.begin(), local_weights.end(), nullptr);
+          } else
+            reduce(reduced);
           ++reduced;
           progressed = true;
         }
+        if (inter) all = hier.serve_as_proxy(progressed) && all;
         return all && reduced == my_nwin;
       },
       [&] {

@@ -301,7 +301,7 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
             tag_at(me, idx)->store(0, std::memory_order_relaxed);
           ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
           for (int s = 0; s < W; ++s)
-            if (contributes[s] && s != me) ctx.transport().notify(s);
+            if (contributes[s] && s != me) ctx.notify(s);
           open = true;
           progressed = true;
         }

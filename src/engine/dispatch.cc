@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 
 #include "engine/kernels.h"
@@ -59,6 +60,43 @@ struct Outputs {
     }
   }
 };
+
+// One staged window as a receiver sees it: a local source's half (every token of the window, at fixed
+// strides) or, for a remote source, the compact copy its proxy holds (only the tokens this node needs).
+struct StagedWindow {
+  int64_t count = 0, t0 = 0;
+  const int32_t* tokens = nullptr;  // compact: the entries' token indices
+  const uint8_t *rows = nullptr, *metas = nullptr;
+  size_t row_stride = 0, meta_stride = 0;
+
+  static StagedWindow local(const uint8_t* half, const DispatchGeometry& g, int64_t W, int64_t t0,
+                            int64_t count) {
+    return {count, t0, nullptr, half, half + W * g.row_stride, g.row_stride, g.meta_stride};
+  }
+  static StagedWindow compact(const uint8_t* half, size_t row_stride, size_t meta_stride) {
+    const int64_t n = *reinterpret_cast<const int32_t*>(half);
+    const CompactWindow c = compact_window(n, meta_stride, row_stride);
+    return {n, 0, reinterpret_cast<const int32_t*>(half + 8), half + c.rows_off, half + c.meta_off, row_stride,
+            meta_stride};
+  }
+  int64_t token(int64_t e) const { return tokens ? tokens[e] : t0 + e; }
+  const uint8_t* payload(int64_t e) const { return rows + e * row_stride; }
+  const uint8_t* meta(int64_t e) const { return metas + e * meta_stride; }
+};
+
+// The window every rank uses: what fits a half of the data area and, internode, a compact half of a lane.
+DispatchGeometry window_geometry(const OpContext& ctx, size_t row_bytes, size_t meta, size_t& lane_half) {
+  DispatchGeometry g = dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta);
+  lane_half = 0;
+  if (const Internode* in = ctx.internode()) {
+    lane_half = in->lane.data_bytes / 2 / kAlign * kAlign;
+    const size_t net_meta = meta ? g.meta_stride : 0;
+    int64_t wl = lane_half > 72 ? static_cast<int64_t>((lane_half - 72) / (4 + net_meta + g.row_stride)) : 0;
+    while (wl > 0 && compact_window_max(wl, net_meta, g.row_stride) > lane_half) --wl;
+    g.window = std::min(g.window, wl);
+  }
+  return g;
+}
 
 void poison(const Tensor& t, bool on) {
   if (on && t.nbytes()) std::memset(t.data(), 0xFF, t.nbytes());
@@ -127,7 +165,11 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // (our data area is free: every op ends only once the peers are done with it).
   const size_t row_bytes = in.format.data_row_bytes + in.format.scale_row_bytes;
   const size_t meta = meta_bytes_of(K, R, in.cached);
-  const DispatchGeometry geo = dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta);
+  Internode* inter = ctx.internode();
+  const int M = inter ? inter->topo.num_nodes : 1, my_node = ctx.node_of(me);
+  size_t lane_half = 0;
+  const DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half);
+  const size_t net_meta = meta ? geo.meta_stride : 0;  // routing bytes per compact entry
   const int64_t W = geo.window;
   const int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
   uint8_t* my_area = ctx.data(me);
@@ -185,6 +227,13 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     std::copy(in.pairs_per_expert.begin(), in.pairs_per_expert.end(), c);
     std::copy(in.tokens_per_rank.begin(), in.tokens_per_rank.end(), c + in.num_experts);
   }
+  if (inter) {  // the proxies learn from the counts which of their node's ranks pull our rows (cached too)
+    const std::vector<int32_t>& tpr = in.cached ? hd->tokens_per_rank : in.tokens_per_rank;
+    h.num_counts = in.num_experts + R;
+    int32_t* c = ctx.counts(me);
+    if (in.cached) std::fill(c, c + in.num_experts, 0);
+    std::copy(tpr.begin(), tpr.end(), c + in.num_experts);
+  }
   ctx.publish_header();
   while (staged < std::min<int64_t>(my_nwin, 2)) {
     stage(staged);
@@ -221,6 +270,12 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   }
 
   // 3. Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).
+  if (geo.window < 1 && inter && dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta).window >= 1)
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane_bytes * M,
+                 " (one lane of ", inter->lane_bytes, " bytes per node) cannot hold one forwarded token of ",
+                 row_bytes, " bytes (+", meta, " bytes of routing); the minimum for this call is ",
+                 M * (lane_overhead_bytes(inter->topo.ranks_per_node, R) +
+                      2 * align64(compact_window_max(1, net_meta, geo.row_stride)) + 2 * kAlign));
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
                  " cannot hold one staged token of ", row_bytes, " bytes (+", meta,
@@ -330,23 +385,30 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     for (int s = 0; s < R; ++s) cached_pos[s] = hd->source_offsets[s];
 
   auto pull = [&](int s, int64_t w) {
-    const uint8_t* half = ctx.data(s) + static_cast<size_t>(w % 2) * geo.half_bytes;
     const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);
+    const StagedWindow win = ctx.remote(s) ? StagedWindow::compact(ctx.data(s) + (w % 2) * lane_half, geo.row_stride, net_meta)
+                                           : StagedWindow::local(ctx.data(s) + (w % 2) * geo.half_bytes, geo,
+                                                                 W, t0, t1 - t0);
     if (in.cached) {
       const int32_t* src_tok = hd->recv_src_token.data_as<int32_t>();
       int64_t& pos = cached_pos[s];
       const int64_t end = hd->source_offsets[s + 1];
+      int64_t e = 0;
       while (pos < end) {
         int32_t row = hd->source_rows[pos];
         if (src_tok[row] >= t1) break;
-        o.copy_payload(row, half + (src_tok[row] - t0) * geo.row_stride);
+        while (e < win.count && win.token(e) < src_tok[row]) ++e;  // ascending; holds every token we need
+        EPCOMM_CHECK(e < win.count && win.token(e) == src_tok[row], ctx.prefix(), "internal: token ",
+                     src_tok[row], " of rank ", s, " missing from its forwarded window ", w);
+        o.copy_payload(row, win.payload(e));
         ++pos;
       }
       return;
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* payload = half + (t - t0) * geo.row_stride;
-      const uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
+    for (int64_t e = 0; e < win.count; ++e) {
+      const int64_t t = win.token(e);
+      const uint8_t* payload = win.payload(e);
+      const uint8_t* m = win.meta(e);
       if (K == 0) {  // rank_major without top-k
         if (!m[me]) continue;
         int64_t row = cursor[s]++;
@@ -400,26 +462,120 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     }
   };
 
+  // Internode: the tokens each other node needs (ascending), what went out, and the acks we forward as
+  // proxy of our rail peers.
+  std::vector<std::vector<int32_t>> node_tokens(M);
+  std::vector<size_t> node_cursor(M, 0);
+  std::vector<std::vector<int32_t>> send_hdr(inter ? 2 * M : 0);
+  std::vector<std::vector<Network::Piece>> send_pieces(inter ? 2 * M : 0);
+  std::vector<uint64_t> forwarded(M, pack(seq, 0));
+  uint64_t tickets[2] = {0, 0}, last_ticket = 0;
+  int64_t sent = 0;
+  if (inter) {
+    const std::vector<uint8_t>& in_rank = in.cached ? hd->in_rank : in.in_rank;
+    const Topology& topo = inter->topo;
+    for (int64_t t = 0; t < in.num_tokens; ++t)
+      for (int n = 0; n < M; ++n) {
+        if (n == my_node) continue;
+        for (int p : topo.node_ranks[n])
+          if (in_rank[t * R + p]) {
+            node_tokens[n].push_back(static_cast<int32_t>(t));
+            break;
+          }
+      }
+  }
+  // Window w to every node that needs some of our tokens: its entries, compact, in one write per node.
+  auto send_window = [&](int64_t w) -> uint64_t {
+    const uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
+    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
+    uint64_t ticket = 0;
+    for (int n = 0; n < M; ++n) {
+      if (n == my_node || node_tokens[n].empty()) continue;
+      const std::vector<int32_t>& list = node_tokens[n];
+      const size_t c0 = node_cursor[n];
+      size_t c1 = c0;
+      while (c1 < list.size() && list[c1] < t1) ++c1;
+      node_cursor[n] = c1;
+      const int64_t cnt = static_cast<int64_t>(c1 - c0);
+      const CompactWindow cw = compact_window(cnt, net_meta, geo.row_stride);
+      std::vector<int32_t>& hb = send_hdr[(w % 2) * M + n];
+      hb.assign(cw.meta_off / 4, 0);
+      hb[0] = static_cast<int32_t>(cnt);
+      std::copy(list.begin() + c0, list.begin() + c1, hb.begin() + 2);
+      std::vector<Network::Piece>& pcs = send_pieces[(w % 2) * M + n];
+      pcs.assign(1, Network::Piece{hb.data(), cw.meta_off});
+      // Runs of consecutive tokens are contiguous in our staged half: one piece each.
+      for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 0 && !net_meta) continue;
+        const uint8_t* base = pass == 0 ? half + W * geo.row_stride : half;
+        const size_t stride = pass == 0 ? geo.meta_stride : geo.row_stride;
+        for (size_t a = c0; a < c1;) {
+          size_t b = a + 1;
+          while (b < c1 && list[b] == list[b - 1] + 1) ++b;
+          pcs.push_back({base + (list[a] - t0) * stride, (b - a) * stride});
+          a = b;
+        }
+      }
+      ticket = ctx.write_lane(inter->topo.rail(n), pcs.data(), static_cast<int>(pcs.size()),
+                              inter->lane.data + static_cast<size_t>(w % 2) * lane_half,
+                              offsetof(Control, stage_ready), pack(seq, w + 1));
+      inter->rows_sent += static_cast<uint64_t>(cnt);
+      inter->row_bytes_sent += static_cast<uint64_t>(cnt) * row_bytes;
+    }
+    last_ticket = std::max(last_ticket, ticket);
+    return ticket;
+  };
+  // As proxy of rail peer s: once every rank of our node that pulls from s acknowledged a window, tell s.
+  auto forward_acks = [&](bool& progressed) {
+    bool all = true;
+    const Topology& topo = inter->topo;
+    for (int n = 0; n < M; ++n) {
+      if (n == my_node) continue;
+      const int s = topo.rail(n);
+      const HeaderData* hs = ctx.header(s);
+      const int32_t* tpr = ctx.counts(s) + hs->num_counts - R;
+      uint64_t m = UINT64_MAX;
+      for (int d : topo.node_ranks[my_node])
+        if (tpr[d] > 0) m = std::min(m, ctx.cell(s, d)->ack.load(std::memory_order_acquire));
+      if (m == UINT64_MAX) continue;  // nobody here receives from s
+      if (m > forwarded[n]) {
+        ctx.write_lane(s, nullptr, 0, 0, offsetof(LaneControl, from_proxy) + offsetof(PeerCell, ack), m);
+        forwarded[n] = m;
+        progressed = true;
+      }
+      all = all && forwarded[n] == pack(seq, num_windows(tokens_of[s], W));
+    }
+    return all;
+  };
+
   auto can_stage = [&](int64_t w) {
     if (w < 2) return true;
     for (int p = 0; p < R; ++p)
       if (my_dest_tokens[p] > 0 && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, w - 1))
         return false;
-    return true;
+    return !inter || (sent >= w - 1 && (tickets[w % 2] == 0 || inter->net->complete(tickets[w % 2])));
   };
   ctx.run(
       "data",
       [&](bool& progressed) {
-        while (staged < my_nwin && can_stage(staged)) {
+        // Internode: every staged window goes to the proxies of the nodes that need our tokens (only once the
+        // headers are in: their lanes are free then).
+        while (inter && sent < staged) {
+          tickets[sent % 2] = send_window(sent);
+          ++sent;
+          progressed = true;
+        }
+        while (staged < my_nwin && (!inter || sent == staged) && can_stage(staged)) {
           stage(staged);
           publish_staged();
           for (int p = 0; p < R; ++p)
-            if (my_dest_tokens[p] > 0 && p != me) ctx.transport().notify(p);
+            if (my_dest_tokens[p] > 0 && p != me && !ctx.remote(p)) ctx.notify(p);
           progressed = true;
         }
         // Done once every window is staged and acknowledged (so that the next call may reuse the area)
         // and every source's windows are pulled.
         bool all = staged == my_nwin && can_stage(my_nwin + 1);
+        if (inter) all = forward_acks(progressed) && all && sent == my_nwin && (last_ticket == 0 || inter->net->complete(last_ticket));
         for (int s : ctx.arrival_order()) {
           while (pulled[s] < nwin[s] &&
                  ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {

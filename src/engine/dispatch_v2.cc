@@ -287,7 +287,7 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
           stage(staged);
           publish_staged();
           for (int p = 0; p < W; ++p)
-            if (dest[p] && p != me) ctx.transport().notify(p);
+            if (dest[p] && p != me) ctx.notify(p);
           progressed = true;
         }
         bool all = staged == my_windows && (my_windows == 0 || acked_by_all(my_windows));

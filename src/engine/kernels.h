@@ -22,4 +22,12 @@ void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, in
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                   const uint8_t* bias1, const uint8_t* bias2, uint8_t* out);
 
+// Internode (partial_kernels.cc): one node's f32 partial p = +0 + c_1 + ... + c_n of a token (c as in
+// reduce_token), and the origin's acc = +0 + p_1 + ... + p_n over nodes in ascending order, then the biases,
+// then one rounding to `dt`. n may be 0 (the result is the rounded bias, or +0).
+void reduce_partial(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
+                    float* out);
+void finish_partials(DType dt, const float* const* parts, int n, int64_t hidden, const uint8_t* bias1,
+                     const uint8_t* bias2, uint8_t* out);
+
 }  // namespace epcomm::engine

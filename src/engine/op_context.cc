@@ -2,20 +2,46 @@
 #include "engine/op_context.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <sstream>
 
 namespace epcomm::engine {
 
-OpContext::OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, OpKind op, double timeout_s)
+OpContext::OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, OpKind op, double timeout_s,
+                     Internode* inter)
     : tp_(tp),
       layout_(layout),
-      rank_(tp.rank()),
-      size_(tp.size()),
+      rank_(inter ? inter->topo.rank : tp.rank()),
+      size_(inter ? inter->topo.size : tp.size()),
       seq_(seq),
       op_(op),
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
-      timeout_s_(timeout_s) {}
+      timeout_s_(timeout_s),
+      inter_(inter) {}
+
+void OpContext::notify(int r) const {
+  if (!inter_) return tp_.notify(r);
+  const Topology& t = inter_->topo;
+  tp_.notify(t.local_index[t.is_local(r) ? r : t.proxy_of(r)]);
+}
+
+uint64_t OpContext::write_lane(int peer, const Network::Piece* pieces, int n, size_t offset,
+                               size_t signal_offset, uint64_t value) const {
+  const size_t lane = inter_->lane_offset(inter_->topo.node());
+  return inter_->net->write_signal(peer, pieces, n, lane + offset, lane + signal_offset, value);
+}
+
+// Our header (and counts) into the lane each rail peer keeps for our node; `seq` is raised last.
+void OpContext::send_header_to_rails() const {
+  const Topology& t = inter_->topo;
+  const HeaderData* h = header(rank_);
+  const size_t slot = inter_->lane.headers + (seq_ % 2) * inter_->lane.header_bytes;
+  Network::Piece piece{reinterpret_cast<const uint8_t*>(h) + sizeof(uint64_t),
+                       sizeof(HeaderData) - sizeof(uint64_t) + sizeof(int32_t) * std::max(h->num_counts, 0)};
+  for (int n = 0; n < t.num_nodes; ++n)
+    if (n != t.node()) write_lane(t.rail(n), &piece, 1, slot + sizeof(uint64_t), slot, seq_);
+}
 
 std::string OpContext::prefix() const {
   if (!label_.empty()) return label_;
@@ -40,6 +66,7 @@ HeaderData& OpContext::begin_header(OpKind op) {
 void OpContext::publish_header() {
   header(rank_)->seq.store(seq_, std::memory_order_seq_cst);
   notify_all();
+  if (inter_) send_header_to_rails();
 }
 
 void OpContext::publish_failed_header(OpKind op, const std::string& message) {
@@ -54,12 +81,12 @@ void OpContext::publish_failed_header(OpKind op, const std::string& message) {
 
 void OpContext::signal(std::atomic<uint64_t>& word, uint64_t value, int owner) const {
   word.store(value, std::memory_order_seq_cst);
-  tp_.notify(owner);
+  notify(owner);
 }
 
 void OpContext::notify_all() const {
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_) tp_.notify(r);
+  for (int r = 0; r < tp_.size(); ++r)
+    if (r != tp_.rank()) tp_.notify(r);
 }
 
 uint64_t OpContext::last_seq_seen(int r) const {
@@ -104,6 +131,13 @@ void OpContext::exchange_headers() {
 }
 
 void OpContext::check_peers_alive() const {
+  if (inter_) {
+    std::string f = inter_->net->failure();
+    if (!f.empty()) {
+      saw_peer_failure_ = true;
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", f);
+    }
+  }
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const Control* c = control(r);
@@ -133,6 +167,18 @@ void OpContext::publish_failure(const std::string& message) const {
   c->failed_message[n] = '\0';
   c->failed.store(seq_ + 1, std::memory_order_seq_cst);
   notify_all();
+  if (!inter_) return;
+  // Tell the other nodes through our rail peers (best effort: the network may be what failed).
+  const Topology& t = inter_->topo;
+  Network::Piece piece{c->failed_message, n + 1};
+  for (int node = 0; node < t.num_nodes; ++node) {
+    if (node == t.node()) continue;
+    try {
+      write_lane(t.rail(node), &piece, 1, offsetof(Control, failed_message), offsetof(Control, failed),
+                 seq_ + 1);
+    } catch (...) {
+    }
+  }
 }
 
 }  // namespace epcomm::engine

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "engine/internode.h"
 #include "engine/protocol.h"
 #include "transport/transport.h"
 
@@ -15,7 +16,10 @@ namespace epcomm::engine {
 class OpContext {
  public:
   using Clock = std::chrono::steady_clock;
-  OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, OpKind op, double timeout_s);
+  // `inter` (null on one node) maps remote ranks to their proxies' lanes; ranks are then global ranks while
+  // `tp` spans this node only.
+  OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, OpKind op, double timeout_s,
+            Internode* inter = nullptr);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -31,14 +35,45 @@ class OpContext {
   }
   const std::string& peer_word() const { return peer_word_; }
 
-  Control* control(int r) const { return reinterpret_cast<Control*>(tp_.segment(r) + layout_.control); }
-  // The cell `writer` owns in `owner`'s segment.
+  // Every accessor takes global ranks. A remote rank's words live in its proxy's lane (internode.h).
+  Control* control(int r) const {
+    if (remote(r)) return &lane_control(inter_->topo.proxy_of(r), node_of(r))->mirror;
+    return reinterpret_cast<Control*>(seg(r) + layout_.control);
+  }
+  // The cell `writer` owns in `owner`'s segment: for a remote writer, the one its node's proxy forwards into;
+  // for a remote owner, the one this node's readers of that owner write in its proxy's lane.
   PeerCell* cell(int owner, int writer) const {
-    return reinterpret_cast<PeerCell*>(tp_.segment(owner) + layout_.cells) + writer;
+    if (remote(owner))
+      return reinterpret_cast<PeerCell*>(lane_base(inter_->topo.proxy_of(owner), node_of(owner)) +
+                                         inter_->lane.readers) +
+             inter_->topo.local_index[writer];
+    if (remote(writer)) return &lane_control(owner, node_of(writer))->from_proxy;
+    return reinterpret_cast<PeerCell*>(seg(owner) + layout_.cells) + writer;
   }
   HeaderData* header(int r) const { return header_slot(r, seq_); }
   int32_t* counts(int r) const { return reinterpret_cast<int32_t*>(header(r) + 1); }
-  uint8_t* data(int r) const { return tp_.segment(r) + layout_.data; }
+  uint8_t* data(int r) const {
+    if (remote(r)) return lane_base(inter_->topo.proxy_of(r), node_of(r)) + inter_->lane.data;
+    return seg(r) + layout_.data;
+  }
+  // Rings the doorbell of whoever waits for what this rank wrote for `r` (r itself, or its proxy here).
+  void notify(int r) const;
+
+  // Internode (null on one node).
+  Internode* internode() const { return inter_; }
+  bool remote(int r) const { return inter_ && !inter_->topo.is_local(r); }
+  int node_of(int r) const { return inter_ ? inter_->topo.node_of[r] : 0; }
+  // The lane `owner` (a rank of this node) keeps for node `node`.
+  uint8_t* lane_base(int owner, int node) const {
+    return seg(owner) + inter_->lanes_offset + inter_->lane_offset(node);
+  }
+  LaneControl* lane_control(int owner, int node) const {
+    return reinterpret_cast<LaneControl*>(lane_base(owner, node));
+  }
+  // Network write into rank `peer`'s lane for this rank's node: `pieces` at `offset` within the lane, then
+  // the signal word at `signal_offset` within the lane is raised to `value`. Returns the ticket.
+  uint64_t write_lane(int peer, const Network::Piece* pieces, int n, size_t offset, size_t signal_offset,
+                      uint64_t value) const;
 
   // Clears and returns this rank's header for this call; fill it, then publish_header().
   HeaderData& begin_header(OpKind op);
@@ -88,9 +123,14 @@ class OpContext {
   void publish_failure(const std::string& message) const;
 
  private:
+  uint8_t* seg(int r) const { return tp_.segment(inter_ ? inter_->topo.local_index[r] : r); }
   HeaderData* header_slot(int r, uint64_t seq) const {
-    return reinterpret_cast<HeaderData*>(tp_.segment(r) + layout_.headers + (seq % 2) * layout_.header_bytes);
+    if (remote(r))
+      return reinterpret_cast<HeaderData*>(lane_base(inter_->topo.proxy_of(r), node_of(r)) +
+                                           inter_->lane.headers + (seq % 2) * inter_->lane.header_bytes);
+    return reinterpret_cast<HeaderData*>(seg(r) + layout_.headers + (seq % 2) * layout_.header_bytes);
   }
+  void send_header_to_rails() const;
   uint64_t last_seq_seen(int r) const;
 
   Transport& tp_;
@@ -103,6 +143,7 @@ class OpContext {
   std::vector<int> arrival_order_;
   mutable bool saw_peer_failure_ = false;
   std::string label_, peer_word_ = "rank";
+  Internode* inter_ = nullptr;
 };
 
 }  // namespace epcomm::engine

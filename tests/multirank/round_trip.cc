@@ -1,6 +1,8 @@
 // multirank/round_trip.cc — dispatch + combine checked against the independent reference model.
 #include "multirank/round_trip.h"
 
+#include "engine/internode.h"
+
 #include <cstring>
 
 #include "support/check.h"
@@ -11,6 +13,9 @@ BufferOptions test_options(int64_t nvl_bytes, double timeout_s) {
   BufferOptions o;
   o.num_nvl_bytes = nvl_bytes;
   o.timeout_s = timeout_s;
+  // Under virtual nodes (EPCOMM_RANKS_PER_NODE, up to 4 nodes) every lane gets at least as much room as the
+  // segment, so that the cases written for small segments force rounds internode too.
+  o.num_rdma_bytes = 4 * static_cast<int64_t>(engine::lane_overhead_bytes(64, engine::kMaxRanks) + nvl_bytes + 4096);
   return o;
 }
 
@@ -63,6 +68,7 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   const int r = ctx.rank, R = ctx.size;
   const int K = rt.spec.num_topk, E = rt.spec.num_experts;
   const bool topk = rt.spec.topk;
+  const int rpn = buf.num_nodes() > 1 ? R / buf.num_nodes() : 0;  // the reference's partition (spec §6)
   const std::string where =
       epcomm::detail::cat("[", receive_order_name(rt.order), " seed ", rt.spec.seed, " rank ", r, "]");
 
@@ -79,14 +85,20 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   std::vector<int32_t> ids32(P.ranks[r].topk_idx.begin(), P.ranks[r].topk_idx.end());
   if (rt.idx32) ti = Tensor::wrap(ids32.data(), DType::i32, {P.ranks[r].num_tokens, K});
   LayoutResult lay = buf.get_dispatch_layout(ti, E);
-  RefLayout rl = ref_layout(P, r);
+  RefLayout rl = ref_layout(P, r, rpn);
   check_equal(where + " num_tokens_per_rank", tensor_to_i64(lay.num_tokens_per_rank),
               std::vector<int64_t>(rl.num_tokens_per_rank.begin(), rl.num_tokens_per_rank.end()));
   check_equal(where + " num_tokens_per_expert", tensor_to_i64(lay.num_tokens_per_expert),
               std::vector<int64_t>(rl.num_tokens_per_expert.begin(), rl.num_tokens_per_expert.end()));
   check_equal(where + " is_token_in_rank", tensor_to_i64(lay.is_token_in_rank),
               std::vector<int64_t>(rl.is_token_in_rank.begin(), rl.is_token_in_rank.end()));
-  REQUIRE(!lay.num_tokens_per_rdma_rank.has_value(), "one node: num_tokens_per_rdma_rank must be None");
+  if (rpn == 0) {
+    REQUIRE(!lay.num_tokens_per_rdma_rank.has_value(), "one node: num_tokens_per_rdma_rank must be None");
+  } else {
+    REQUIRE(lay.num_tokens_per_rdma_rank.has_value(), "several nodes: num_tokens_per_rdma_rank missing");
+    check_equal(where + " num_tokens_per_rdma_rank", tensor_to_i64(*lay.num_tokens_per_rdma_rank),
+                std::vector<int64_t>(rl.num_tokens_per_rdma_rank.begin(), rl.num_tokens_per_rdma_rank.end()));
+  }
 
   // Dispatch.
   DispatchArgs a;
@@ -151,7 +163,7 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     cr.event.wait();
     const bool rank_w = rt.order == ReceiveOrder::rank_major && topk;
     RefCombine rc = ref_combine(P, r, rt.order, rt.expert_alignment, worst, P.spec.dtype, P.spec.hidden, fed,
-                                nullptr, rank_w ? &recv_w : nullptr, {}, 0);
+                                nullptr, rank_w ? &recv_w : nullptr, {}, rpn);
     check_rows_equal(where + " combine(fed back) combined_x", bytes_of(cr.combined_x), rc.combined_x,
                      row_bytes, P.spec.dtype);
     REQUIRE(cr.combined_topk_weights.has_value() == rc.has_weights, "combined_topk_weights presence");
@@ -185,7 +197,7 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     c.bias2 = Tensor::wrap(b2.data(), cdt, {T, H2});
     CombineResult cr = buf.combine(c);
     RefCombine rc = ref_combine(P, r, rt.order, rt.expert_alignment, worst, cdt, H2, outs,
-                                explicit_w.empty() ? nullptr : &explicit_w, nullptr, {&b1, &b2}, 0);
+                                explicit_w.empty() ? nullptr : &explicit_w, nullptr, {&b1, &b2}, rpn);
     check_rows_equal(where + " combine(distinct outputs, bias tuple) combined_x", bytes_of(cr.combined_x),
                      rc.combined_x, H2 * dtype_size(cdt), cdt);
     if (rc.has_weights)

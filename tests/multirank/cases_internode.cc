@@ -1,0 +1,122 @@
+// multirank/cases_internode.cc — internode specifics (spec/normal-mode.md §6): the same problem on one node
+// and on virtual nodes (EPCOMM_RANKS_PER_NODE, set by ctest) gives identical dispatch results, and each token
+// crosses the network once per other node that needs it. The foundation cases also run under virtual nodes
+// (tests/multirank/CMakeLists.txt) against the reference for the partition in use.
+#include <cstring>
+#include <set>
+
+#include "common/env.h"
+#include "multirank/round_trip.h"
+#include "support/check.h"
+
+using namespace epcomm;
+using namespace epcomm::testing;
+
+namespace {
+
+int partition_or_skip(const RankCtx& ctx) {
+  const int P = env::ranks_per_node();
+  if (P <= 0 || P >= ctx.size || ctx.size % P != 0)
+    throw Skip("needs EPCOMM_RANKS_PER_NODE = P with 0 < P < ranks, P dividing the ranks");
+  return P;
+}
+
+ProblemSpec internode_spec(const RankCtx& ctx, uint64_t seed, int64_t hidden) {
+  ProblemSpec s;
+  s.num_ranks = ctx.size;
+  s.num_experts = ctx.size * 4;
+  s.num_topk = 6;
+  s.hidden = hidden;
+  s.seed = seed;
+  s.min_tokens = 0;
+  s.max_tokens = 300;
+  return s;
+}
+
+std::vector<uint8_t> bytes(const Tensor& t) {
+  std::vector<uint8_t> v(t.nbytes());
+  if (t.nbytes()) std::memcpy(v.data(), t.data(), t.nbytes());
+  return v;
+}
+
+}  // namespace
+
+// Dispatch on one node and across virtual nodes: every output and handle array bitwise equal.
+MR_CASE("internode_matches_single_node", {}) {
+  const int P = partition_or_skip(ctx);
+  BufferOptions one = test_options(2 << 20);
+  one.ranks_per_node = ctx.size;  // one node, whatever the environment says
+  BufferOptions many = test_options(2 << 20);
+  many.ranks_per_node = P;
+  Buffer a(ctx.group, one), b(ctx.group, many);
+  REQUIRE(a.num_nodes() == 1 && b.num_nodes() == ctx.size / P, "partition: got ", a.num_nodes(), " and ",
+          b.num_nodes(), " nodes");
+  for (ReceiveOrder order : {ReceiveOrder::expert_major, ReceiveOrder::rank_major}) {
+    const Problem pr = make_problem(internode_spec(ctx, 11 + static_cast<int>(order), 520));
+    DispatchArgs args;
+    args.x.data = x_of(pr, ctx.rank);
+    args.topk_idx = topk_idx_of(pr, ctx.rank);
+    args.topk_weights = topk_weights_of(pr, ctx.rank);
+    args.num_tokens_per_expert = a.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+    args.receive_order = order;
+    args.expert_alignment = order == ReceiveOrder::expert_major ? 4 : 1;
+    DispatchResult x = a.dispatch(args), y = b.dispatch(args);
+    const std::string where = epcomm::detail::cat("[", receive_order_name(order), " rank ", ctx.rank, "] ");
+    REQUIRE(bytes(x.recv_x.data) == bytes(y.recv_x.data), where, "recv_x differs between 1 and ",
+            b.num_nodes(), " nodes");
+    REQUIRE(bytes(*x.recv_topk_idx) == bytes(*y.recv_topk_idx), where, "recv_topk_idx differs");
+    REQUIRE(bytes(*x.recv_topk_weights) == bytes(*y.recv_topk_weights), where, "recv_topk_weights differs");
+    REQUIRE(*x.num_recv_tokens_per_expert_list == *y.num_recv_tokens_per_expert_list, where, "list differs");
+    REQUIRE(bytes(x.handle->recv_src_rank()) == bytes(y.handle->recv_src_rank()), where, "src ranks differ");
+    REQUIRE(bytes(x.handle->recv_src_token()) == bytes(y.handle->recv_src_token()), where, "src tokens differ");
+    // Cached re-dispatch along the same routes, both Buffers.
+    DispatchArgs c;
+    c.x.data = x_of(pr, ctx.rank);
+    c.handle = x.handle;
+    DispatchResult cx = a.dispatch(c);
+    c.handle = y.handle;
+    DispatchResult cy = b.dispatch(c);
+    REQUIRE(bytes(cx.recv_x.data) == bytes(cy.recv_x.data), where, "cached recv_x differs");
+  }
+}
+
+// The dedup counter: one row per distinct (token, other node that needs it), nothing more.
+MR_CASE("internode_dedup", {}) {
+  const int P = partition_or_skip(ctx);
+  BufferOptions o = test_options(1 << 20);  // small segments: several windows
+  o.ranks_per_node = P;
+  Buffer buf(ctx.group, o);
+  const Problem pr = make_problem(internode_spec(ctx, 5, 256));
+  const int r = ctx.rank, R = ctx.size, K = pr.spec.num_topk, L = pr.spec.num_experts / R;
+  const int64_t T = pr.ranks[r].num_tokens;
+  const int64_t row = static_cast<int64_t>(pr.row_bytes());
+  int64_t want = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::set<int> nodes;
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = pr.ranks[r].topk_idx[t * K + k];
+      if (e >= 0 && (e / L) / P != r / P) nodes.insert(static_cast<int>((e / L) / P));
+    }
+    want += static_cast<int64_t>(nodes.size());
+  }
+  DispatchArgs args;
+  args.x.data = x_of(pr, r);
+  args.topk_idx = topk_idx_of(pr, r);
+  args.topk_weights = topk_weights_of(pr, r);
+  args.num_tokens_per_expert = buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  const Buffer::InternodeCounters before = buf.internode_counters();
+  DispatchResult d = buf.dispatch(args);
+  const Buffer::InternodeCounters after = buf.internode_counters();
+  const int64_t rows = after.rows - before.rows;
+  REQUIRE(rows == want, "rank ", r, ": ", rows, " rows crossed the network, expected one per distinct (token, "
+          "other node) = ", want);
+  REQUIRE(after.row_bytes - before.row_bytes == want * row, "row bytes: got ",
+          after.row_bytes - before.row_bytes, ", expected ", want * row);
+  // Everything else on the wire is routing (per row: token index + K ids and weights, 64-byte aligned
+  // records), window headers, the call header with counts, and acknowledgements.
+  const int64_t sent = after.network_bytes - before.network_bytes;
+  const int64_t meta_bound = want * (4 + 64 + 64) + 64 * 1024;
+  REQUIRE(sent >= want * row && sent <= want * row + meta_bound, "network bytes ", sent,
+          " outside [rows, rows + metadata bound ", meta_bound, "]");
+  (void)d;
+}
