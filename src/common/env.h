@@ -26,5 +26,6 @@ double timeout_s();               // EPCOMM_TIMEOUT_S, default 100
 bool poison_outputs();            // EPCOMM_POISON_OUTPUTS
 bool normal_int8();               // DEEP_NORMAL_MODE_USE_INT8_QUANT or EPCOMM_NORMAL_INT8 == "1"
 int spin_count(int local_ranks);  // EPCOMM_SPIN: polls before a waiter sleeps on its futex
+std::string ucx_write_mode();     // EPCOMM_UCX_WRITE: "am" (default) or "put"
 
 }  // namespace epcomm::env
