@@ -12,10 +12,12 @@ function(epcomm_add_unit_test file)
   gtest_discover_tests(${name} TEST_PREFIX "${name}." PROPERTIES LABELS unit DISCOVERY_TIMEOUT 60)
 endfunction()
 
-# epcomm_add_multirank_test(<case> LAUNCHERS thread fork NP 1 2 4 [TIMEOUT s] [LABEL l]):
+# epcomm_add_multirank_test(<case> LAUNCHERS thread fork NP 1 2 4 [TIMEOUT s] [LABELS extra...]
+#                           [ENVIRONMENT VAR=value...]):
 # registers <case>.<launcher>.np<N> running the `multirank_tests` driver. Exit code 77 means skipped.
+# Every test is labelled `multirank` (threads) or `multiproc` (forked ranks), plus the extra LABELS.
 function(epcomm_add_multirank_test case)
-  cmake_parse_arguments(ARG "" "TIMEOUT" "LAUNCHERS;NP" ${ARGN})
+  cmake_parse_arguments(ARG "" "TIMEOUT" "LAUNCHERS;NP;LABELS;ENVIRONMENT" ${ARGN})
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 120)
   endif()
@@ -28,8 +30,11 @@ function(epcomm_add_multirank_test case)
       else()
         set(label multirank)
       endif()
-      set_tests_properties(${test_name} PROPERTIES LABELS ${label} TIMEOUT ${ARG_TIMEOUT}
+      set_tests_properties(${test_name} PROPERTIES LABELS "${label};${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
                            SKIP_RETURN_CODE 77 PROCESSORS 1)
+      if(ARG_ENVIRONMENT)
+        set_tests_properties(${test_name} PROPERTIES ENVIRONMENT "${ARG_ENVIRONMENT}")
+      endif()
     endforeach()
   endforeach()
 endfunction()

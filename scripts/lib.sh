@@ -2,7 +2,7 @@
 # The Python front (python/, tests/python) needs Debian's torch 1.13, its C++ headers, pybind11 and pytest:
 # about 240 packages with their recommends, ~820 MB installed, 3-4 minutes on 2 cores (once).
 EPCOMM_PACKAGES="cmake ninja-build g++ libgtest-dev python3-torch libtorch-dev pybind11-dev python3-pytest
-  libopenmpi-dev openmpi-bin"
+  libopenmpi-dev openmpi-bin libucx-dev"
 
 ensure_packages() {
   local missing=()

@@ -21,6 +21,10 @@ const Knob kKnobs[] = {
     {"EPCOMM_RANKS_PER_NODE", "0",
      "node partition of Buffers created with ranks_per_node = 0: P > 0 splits the ranks into nodes of P "
      "consecutive ranks (virtual nodes on one host talk over UCX only); 0 = one node per host"},
+    {"EPCOMM_UCX_WRITE", "am",
+     "how the UCX transport writes into a peer's region: am (active messages) or put (RMA puts, then a "
+     "signal "
+     "message); docs/internode.md"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -76,6 +80,13 @@ int spin_count(int local_ranks) {
   // Spinning only pays when every rank has a core of its own; oversubscribed waiters sleep at once.
   unsigned hw = std::thread::hardware_concurrency();
   return (hw == 0 || static_cast<unsigned>(local_ranks) <= hw) ? 4000 : 16;
+}
+
+std::string ucx_write_mode() {
+  auto v = get("EPCOMM_UCX_WRITE");
+  if (!v) return "am";
+  EPCOMM_CHECK(*v == "am" || *v == "put", "EPCOMM_UCX_WRITE: expected 'am' or 'put', got '", *v, "'");
+  return *v;
 }
 
 }  // namespace epcomm::env

@@ -25,7 +25,8 @@ bool get_flag(const char* name);  // "1", "true", "yes", "on" (any case) are tru
 double timeout_s();               // EPCOMM_TIMEOUT_S, default 100
 bool poison_outputs();            // EPCOMM_POISON_OUTPUTS
 bool normal_int8();               // DEEP_NORMAL_MODE_USE_INT8_QUANT or EPCOMM_NORMAL_INT8 == "1"
-int spin_count(int local_ranks);
-int ranks_per_node();             // EPCOMM_RANKS_PER_NODE, default 0 (one node per host)  // EPCOMM_SPIN: polls before a waiter sleeps on its futex
+int spin_count(int local_ranks);  // EPCOMM_SPIN: polls before a waiter sleeps on its futex
+std::string ucx_write_mode();     // EPCOMM_UCX_WRITE: "am" (default) or "put"
+int ranks_per_node();             // EPCOMM_RANKS_PER_NODE, default 0 (one node per host)
 
 }  // namespace epcomm::env
