@@ -201,11 +201,89 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   };
 
   int64_t staged = 0;
+  const uint64_t seq = ctx.seq();
   auto publish_staged = [&] {
     ++staged;
     ctx.control(me)->stage_ready.store(pack(ctx.seq(), staged), std::memory_order_seq_cst);
   };
 
+  // Internode: the tokens each other node needs (ascending), what went out, and the acks we forward as
+  // proxy of our rail peers.
+  std::vector<std::vector<int32_t>> node_tokens(M);
+  std::vector<size_t> node_cursor(M, 0);
+  std::vector<std::vector<int32_t>> send_hdr(inter ? 2 * M : 0);
+  std::vector<std::vector<Network::Piece>> send_pieces(inter ? 2 * M : 0);
+  std::vector<uint64_t> forwarded(M, pack(seq, 0));
+  uint64_t tickets[2] = {0, 0}, last_ticket = 0;
+  std::vector<int64_t> sent(M, 0);  // windows sent to each node
+  if (inter) {
+    const std::vector<uint8_t>& in_rank = in.cached ? hd->in_rank : in.in_rank;
+    const Topology& topo = inter->topo;
+    for (int64_t t = 0; t < in.num_tokens; ++t)
+      for (int n = 0; n < M; ++n) {
+        if (n == my_node) continue;
+        for (int p : topo.node_ranks[n])
+          if (in_rank[t * R + p]) {
+            node_tokens[n].push_back(static_cast<int32_t>(t));
+            break;
+          }
+      }
+  }
+  // Window w to node n: the entries it needs, compact, in one write.
+  auto send_window = [&](int64_t w, int n) {
+    const uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
+    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
+    {
+      const std::vector<int32_t>& list = node_tokens[n];
+      const size_t c0 = node_cursor[n];
+      size_t c1 = c0;
+      while (c1 < list.size() && list[c1] < t1) ++c1;
+      node_cursor[n] = c1;
+      const int64_t cnt = static_cast<int64_t>(c1 - c0);
+      const CompactWindow cw = compact_window(cnt, net_meta, geo.row_stride);
+      std::vector<int32_t>& hb = send_hdr[(w % 2) * M + n];
+      hb.assign(cw.meta_off / 4, 0);
+      hb[0] = static_cast<int32_t>(cnt);
+      std::copy(list.begin() + c0, list.begin() + c1, hb.begin() + 2);
+      std::vector<Network::Piece>& pcs = send_pieces[(w % 2) * M + n];
+      pcs.assign(1, Network::Piece{hb.data(), cw.meta_off});
+      // Runs of consecutive tokens are contiguous in our staged half: one piece each.
+      for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 0 && !net_meta) continue;
+        const uint8_t* base = pass == 0 ? half + W * geo.row_stride : half;
+        const size_t stride = pass == 0 ? geo.meta_stride : geo.row_stride;
+        for (size_t a = c0; a < c1;) {
+          size_t b = a + 1;
+          while (b < c1 && list[b] == list[b - 1] + 1) ++b;
+          pcs.push_back({base + (list[a] - t0) * stride, (b - a) * stride});
+          a = b;
+        }
+      }
+      const uint64_t ticket = ctx.write_lane(inter->topo.rail(n), pcs.data(), static_cast<int>(pcs.size()),
+                                             inter->lane.data + static_cast<size_t>(w % 2) * lane_half,
+                                             offsetof(Control, stage_ready), pack(seq, w + 1));
+      inter->rows_sent += static_cast<uint64_t>(cnt);
+      inter->row_bytes_sent += static_cast<uint64_t>(cnt) * row_bytes;
+      tickets[w % 2] = std::max(tickets[w % 2], ticket);
+      last_ticket = std::max(last_ticket, ticket);
+    }
+  };
+  // Sends every staged window to the nodes that need them, as soon as the rail peer there has published
+  // this call's header (it is then done with its lane for us from the previous call).
+  auto send_staged = [&](bool& progressed) {
+    for (int n = 0; n < M; ++n) {
+      if (n == my_node || node_tokens[n].empty() || sent[n] == staged) continue;
+      if (!ctx.header_arrived(inter->topo.rail(n))) continue;
+      while (sent[n] < staged) send_window(sent[n]++, n);
+      progressed = true;
+    }
+  };
+  // Every node that needs our tokens has been sent windows [0, w).
+  auto all_sent = [&](int64_t w) {
+    for (int n = 0; n < M; ++n)
+      if (n != my_node && !node_tokens[n].empty() && sent[n] < w) return false;
+    return true;
+  };
   // 1. Header (and counts, for a fresh dispatch).
   HeaderData& h = ctx.begin_header(in.cached ? OpKind::cached_dispatch : OpKind::dispatch);
   h.order = static_cast<uint32_t>(in.order);
@@ -239,7 +317,10 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     stage(staged);
     publish_staged();
   }
-  ctx.exchange_headers();
+  if (inter)
+    ctx.exchange_headers(send_staged);
+  else
+    ctx.exchange_headers();
   check_headers_match(ctx);
 
   const auto t_headers = Clock::now();
@@ -369,7 +450,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     if (nwin[s] == 0)
       done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(t_headers - t_start).count();
   }
-  const uint64_t seq = ctx.seq();
 
   // Receive cursors (fresh): next row of (s, j) in expert_major or of s in rank_major.
   std::vector<int64_t> cursor = plan.start;
@@ -462,69 +542,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     }
   };
 
-  // Internode: the tokens each other node needs (ascending), what went out, and the acks we forward as
-  // proxy of our rail peers.
-  std::vector<std::vector<int32_t>> node_tokens(M);
-  std::vector<size_t> node_cursor(M, 0);
-  std::vector<std::vector<int32_t>> send_hdr(inter ? 2 * M : 0);
-  std::vector<std::vector<Network::Piece>> send_pieces(inter ? 2 * M : 0);
-  std::vector<uint64_t> forwarded(M, pack(seq, 0));
-  uint64_t tickets[2] = {0, 0}, last_ticket = 0;
-  int64_t sent = 0;
-  if (inter) {
-    const std::vector<uint8_t>& in_rank = in.cached ? hd->in_rank : in.in_rank;
-    const Topology& topo = inter->topo;
-    for (int64_t t = 0; t < in.num_tokens; ++t)
-      for (int n = 0; n < M; ++n) {
-        if (n == my_node) continue;
-        for (int p : topo.node_ranks[n])
-          if (in_rank[t * R + p]) {
-            node_tokens[n].push_back(static_cast<int32_t>(t));
-            break;
-          }
-      }
-  }
-  // Window w to every node that needs some of our tokens: its entries, compact, in one write per node.
-  auto send_window = [&](int64_t w) -> uint64_t {
-    const uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
-    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
-    uint64_t ticket = 0;
-    for (int n = 0; n < M; ++n) {
-      if (n == my_node || node_tokens[n].empty()) continue;
-      const std::vector<int32_t>& list = node_tokens[n];
-      const size_t c0 = node_cursor[n];
-      size_t c1 = c0;
-      while (c1 < list.size() && list[c1] < t1) ++c1;
-      node_cursor[n] = c1;
-      const int64_t cnt = static_cast<int64_t>(c1 - c0);
-      const CompactWindow cw = compact_window(cnt, net_meta, geo.row_stride);
-      std::vector<int32_t>& hb = send_hdr[(w % 2) * M + n];
-      hb.assign(cw.meta_off / 4, 0);
-      hb[0] = static_cast<int32_t>(cnt);
-      std::copy(list.begin() + c0, list.begin() + c1, hb.begin() + 2);
-      std::vector<Network::Piece>& pcs = send_pieces[(w % 2) * M + n];
-      pcs.assign(1, Network::Piece{hb.data(), cw.meta_off});
-      // Runs of consecutive tokens are contiguous in our staged half: one piece each.
-      for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 0 && !net_meta) continue;
-        const uint8_t* base = pass == 0 ? half + W * geo.row_stride : half;
-        const size_t stride = pass == 0 ? geo.meta_stride : geo.row_stride;
-        for (size_t a = c0; a < c1;) {
-          size_t b = a + 1;
-          while (b < c1 && list[b] == list[b - 1] + 1) ++b;
-          pcs.push_back({base + (list[a] - t0) * stride, (b - a) * stride});
-          a = b;
-        }
-      }
-      ticket = ctx.write_lane(inter->topo.rail(n), pcs.data(), static_cast<int>(pcs.size()),
-                              inter->lane.data + static_cast<size_t>(w % 2) * lane_half,
-                              offsetof(Control, stage_ready), pack(seq, w + 1));
-      inter->rows_sent += static_cast<uint64_t>(cnt);
-      inter->row_bytes_sent += static_cast<uint64_t>(cnt) * row_bytes;
-    }
-    last_ticket = std::max(last_ticket, ticket);
-    return ticket;
-  };
   // As proxy of rail peer s: once every rank of our node that pulls from s acknowledged a window, tell s.
   auto forward_acks = [&](bool& progressed) {
     bool all = true;
@@ -553,19 +570,15 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     for (int p = 0; p < R; ++p)
       if (my_dest_tokens[p] > 0 && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, w - 1))
         return false;
-    return !inter || (sent >= w - 1 && (tickets[w % 2] == 0 || inter->net->complete(tickets[w % 2])));
+    return !inter || (all_sent(w - 1) && (tickets[w % 2] == 0 || inter->net->complete(tickets[w % 2])));
   };
   ctx.run(
       "data",
       [&](bool& progressed) {
         // Internode: every staged window goes to the proxies of the nodes that need our tokens (only once the
         // headers are in: their lanes are free then).
-        while (inter && sent < staged) {
-          tickets[sent % 2] = send_window(sent);
-          ++sent;
-          progressed = true;
-        }
-        while (staged < my_nwin && (!inter || sent == staged) && can_stage(staged)) {
+        if (inter) send_staged(progressed);
+        while (staged < my_nwin && (!inter || all_sent(staged)) && can_stage(staged)) {
           stage(staged);
           publish_staged();
           for (int p = 0; p < R; ++p)
@@ -575,7 +588,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         // Done once every window is staged and acknowledged (so that the next call may reuse the area)
         // and every source's windows are pulled.
         bool all = staged == my_nwin && can_stage(my_nwin + 1);
-        if (inter) all = forward_acks(progressed) && all && sent == my_nwin && (last_ticket == 0 || inter->net->complete(last_ticket));
+        if (inter) all = forward_acks(progressed) && all && all_sent(my_nwin) && (last_ticket == 0 || inter->net->complete(last_ticket));
         for (int s : ctx.arrival_order()) {
           while (pulled[s] < nwin[s] &&
                  ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {

@@ -95,7 +95,7 @@ uint64_t OpContext::last_seq_seen(int r) const {
   return std::max(a, b);
 }
 
-void OpContext::exchange_headers() {
+void OpContext::exchange_headers(const std::function<void(bool& progressed)>& meanwhile) {
   std::vector<uint8_t> arrived(size_, 0);
   arrived[rank_] = 1;
   arrival_order_.assign(1, rank_);
@@ -103,6 +103,7 @@ void OpContext::exchange_headers() {
   run(
       "header exchange",
       [&](bool& progressed) {
+        if (meanwhile) meanwhile(progressed);
         for (int r = 0; r < size_; ++r) {
           if (arrived[r]) continue;
           if (header(r)->seq.load(std::memory_order_acquire) == seq_) {

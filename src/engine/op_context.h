@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -80,7 +81,10 @@ class OpContext {
   void publish_header();
   // Waits for every peer's header of this call. Throws Aborted when a peer marked its header failed
   // (quoting its message) or failed earlier; Timeout naming the missing peers.
-  void exchange_headers();
+  // `meanwhile` (optional) runs on every pass of the wait, e.g. to send data to peers already known to be ready.
+  void exchange_headers(const std::function<void(bool& progressed)>& meanwhile = {});
+  // True once rank r's header of this call is visible here.
+  bool header_arrived(int r) const { return header(r)->seq.load(std::memory_order_acquire) == seq_; }
 
   // For a call this rank cannot run (its validation or previous_event failed): publishes a header marked
   // failed with `message` and waits for the peers' headers, so that every peer raises promptly.

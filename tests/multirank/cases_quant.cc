@@ -162,7 +162,8 @@ MR_CASE("dispatch_quant", {}) {
                                     reinterpret_cast<float*>(outs[q].data()) + i * s.hidden);
         }
         RefCombine rc = ref_combine(P, r, order, 4, 0, DType::f32, s.hidden, outs, nullptr,
-                                    order == ReceiveOrder::rank_major ? &recv_w : nullptr, {}, 0);
+                                    order == ReceiveOrder::rank_major ? &recv_w : nullptr, {},
+                                    buf.num_nodes() > 1 ? ctx.size / buf.num_nodes() : 0);
         check_rows_equal(where + " combine(dequantized)", tensor_bytes(cr.combined_x), rc.combined_x,
                          s.hidden * 4, DType::f32);
       }
