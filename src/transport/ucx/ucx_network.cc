@@ -42,8 +42,9 @@ struct WireHeader {
   uint64_t value;
   uint64_t seq;  // per (sender, receiver): signals are applied in this order
   int32_t sender;
-  uint32_t reserved;
+  uint32_t kind;  // kWrite, or kGoodbye: the sender is closing its Network (not a failure)
 };
+constexpr uint32_t kWrite = 0, kGoodbye = 1;
 
 // What a rank publishes at setup (first all_gather round); the blobs follow in a second round.
 struct RankInfo {
@@ -67,10 +68,11 @@ struct Peer {
   UcxNetwork* net = nullptr;
   int rank = -1;
   ucp_ep_h ep = nullptr;
-  ucp_rkey_h rkey = nullptr;   // put mode: the peer's region
-  uint64_t remote_region = 0;  // put mode: its address in the peer's process
-  uint64_t next_seq_out = 0;   // communication thread only
-  std::atomic<bool> failed{false};
+  ucp_rkey_h rkey = nullptr;          // put mode: the peer's region
+  uint64_t remote_region = 0;         // put mode: its address in the peer's process
+  uint64_t next_seq_out = 0;          // communication thread only
+  std::atomic<bool> failed{false};    // failed, or departed: write_signal raises Aborted
+  bool departed = false;              // said goodbye: its disconnect is not a failure (fail_mu_)
   std::string failure;                // guarded by UcxNetwork::fail_mu_
   uint64_t next_seq_in = 0;           // guarded by UcxNetwork::recv_mu_
   std::map<uint64_t, Landed> landed;  // arrived out of order, guarded by recv_mu_
@@ -212,6 +214,8 @@ class UcxNetwork final : public Network {
                           const ucp_am_recv_param_t* param);
   void land(Peer& p, const WireHeader& h, bool has_signal);
   void record_failure(Peer& p, const std::string& message);
+  void depart(Peer& p);
+  void say_goodbye(Clock::time_point deadline) noexcept;
   void notify(int peer_rank);
 
   // Progress thread.
@@ -619,6 +623,10 @@ ucs_status_t UcxNetwork::on_message(const void* header, size_t header_length, vo
   int i = (h.sender >= 0 && h.sender < size_) ? peer_index_[h.sender] : -1;
   if (i < 0) return reject;
   Peer& p = *peers_[i];
+  if (h.kind == kGoodbye) {
+    depart(p);
+    return reject;
+  }
   const size_t region = options_.region_bytes;
   // The sender checked too; this check protects this rank's memory from a confused or hostile peer.
   if (h.length != length || h.offset > region || h.length > region - h.offset || h.signal_offset % 8 != 0 ||
@@ -684,7 +692,8 @@ void UcxNetwork::land(Peer& p, const WireHeader& h, bool has_signal) {
 void UcxNetwork::record_failure(Peer& p, const std::string& message) {
   {
     std::lock_guard lock(fail_mu_);
-    if (p.failed.load()) return;
+    // A peer that said goodbye, or our own teardown, closes connections: not failures.
+    if (p.failed.load() || closing_.load()) return;
     p.failure = message;
     p.failed.store(true);
     if (failure_.empty()) {
@@ -693,6 +702,14 @@ void UcxNetwork::record_failure(Peer& p, const std::string& message) {
     }
   }
   notify(p.rank);  // waiters wake and see the failure
+}
+
+void UcxNetwork::depart(Peer& p) {
+  std::lock_guard lock(fail_mu_);
+  p.departed = true;
+  if (p.failed.load()) return;
+  p.failure = detail::cat("rank ", p.rank, " closed its connection to rank ", rank_);
+  p.failed.store(true);
 }
 
 void UcxNetwork::notify(int peer_rank) {
@@ -724,17 +741,18 @@ void UcxNetwork::wake_progress() {
   if (idle_sleep_.load()) ucp_worker_signal(worker_);
 }
 
-// Drains the worker, then sleeps on its event fd: long when idle (the stop flag is also signalled), 1 ms
-// when operations are in flight, in case a transport completes them without an event.
+// Drains the worker, then sleeps on its event fd: 100 ms when idle (a write or the stop flag signals the
+// worker), 1 ms while operations are in flight, in case a transport moves them on without an event.
+// Polling without sleeping while busy was tried: on 2 shared cores it cost the sending thread more than it
+// gained (docs/internode.md).
 void UcxNetwork::progress_loop() {
   while (!stop_.load()) {
     while (ucp_worker_progress(worker_) != 0) {
     }
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     idle_sleep_.store(true);
-    const int timeout_ms = in_flight_.load() > 0 ? 1 : 100;
     epoll_event ev;
-    if (!stop_.load()) epoll_wait(epoll_fd_, &ev, 1, timeout_ms);
+    if (!stop_.load()) epoll_wait(epoll_fd_, &ev, 1, in_flight_.load() > 0 ? 1 : 100);
     idle_sleep_.store(false);
   }
 }
@@ -748,6 +766,7 @@ void UcxNetwork::teardown() noexcept {
     while (in_flight_.load() > 0 && Clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+  if (progress_.joinable()) say_goodbye(deadline);
   closing_.store(true);
   for (auto& p : peers_)
     if (p->rkey) ucp_rkey_destroy(p->rkey), p->rkey = nullptr;
@@ -763,6 +782,19 @@ void UcxNetwork::teardown() noexcept {
   if (context_) ucp_cleanup(context_);
   worker_ = nullptr;
   context_ = nullptr;
+}
+
+// Tells live peers that the coming disconnect is a close, not a failure (a peer that outlives this Network
+// must not report it as failed). The flush-close that follows delivers the message first.
+void UcxNetwork::say_goodbye(Clock::time_point deadline) noexcept {
+  std::vector<ucs_status_ptr_t> requests;
+  WireHeader bye{0, 0, 0, 0, 0, rank_, kGoodbye};
+  for (auto& p : peers_) {
+    if (!p->ep || p->failed.load()) continue;
+    ucp_request_param_t rp{};
+    requests.push_back(ucp_am_send_nbx(p->ep, kAmWrite, &bye, sizeof bye, nullptr, 0, &rp));
+  }
+  for (ucs_status_ptr_t req : requests) wait_request(req, deadline);
 }
 
 // Flush-close endpoints to live peers (what we sent is delivered), force-close failed ones; the progress
