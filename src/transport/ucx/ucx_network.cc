@@ -17,13 +17,12 @@
 #include "common/env.h"
 #include "epcomm/bootstrap.h"
 #include "transport/network.h"
-#include "transport/ucx/ucx_check.h"
+#include "transport/ucx/ucx_link.h"
+#include "transport/ucx/ucx_util.h"
 
 namespace epcomm {
 namespace ucx {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 constexpr unsigned kAmWrite = 17;  // the one active-message id of this transport
 
@@ -119,57 +118,6 @@ class TicketTracker {
   uint64_t base_ = 1;  // the oldest unfinished ticket (tickets start at 1)
   std::deque<bool> done_;
 };
-
-bool is_request(ucs_status_ptr_t p) {
-  return p != nullptr && !UCS_PTR_IS_ERR(p);
-}
-
-Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-// Polls a request until it leaves UCS_INPROGRESS (the progress thread drives it) or the deadline passes;
-// frees it either way. Returns its status, or UCS_ERR_TIMED_OUT.
-ucs_status_t wait_request(ucs_status_ptr_t req, Clock::time_point deadline) {
-  if (req == nullptr) return UCS_OK;
-  if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
-  ucs_status_t st;
-  int polls = 0;
-  while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS) {
-    if (Clock::now() > deadline) {
-      ucp_request_free(req);  // UCX releases it when it completes
-      return UCS_ERR_TIMED_OUT;
-    }
-    // Yield first (a bandwidth measurement waits here), then sleep so that a slow peer costs no CPU.
-    if (++polls < 1000)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  ucp_request_free(req);
-  return st;
-}
-
-std::vector<std::byte> as_bytes(const void* p, size_t n) {
-  const auto* b = static_cast<const std::byte*>(p);
-  return std::vector<std::byte>(b, b + n);
-}
-
-// Every rank contributes `blob` padded to the longest one; returns each rank's blob (unpadded to `lengths`).
-std::vector<std::vector<std::byte>> gather_blobs(Bootstrap& bs, std::vector<std::byte> blob,
-                                                 const std::vector<size_t>& lengths) {
-  const size_t width = std::max<size_t>(1, *std::max_element(lengths.begin(), lengths.end()));
-  blob.resize(width);
-  std::vector<std::byte> all = bs.all_gather(blob);
-  std::vector<std::vector<std::byte>> out(lengths.size());
-  for (size_t r = 0; r < lengths.size(); ++r)
-    out[r].assign(all.begin() + r * width, all.begin() + r * width + lengths[r]);
-  return out;
-}
 
 class UcxNetwork final : public Network {
  public:
@@ -817,60 +765,9 @@ void UcxNetwork::close_endpoints(Clock::time_point deadline) noexcept {
 double UcxNetwork::measure_link_gbps(Bootstrap& bootstrap, size_t bytes, int iterations) {
   EPCOMM_CHECK(bytes > 0 && iterations > 0, "measure_link_gbps: bytes and iterations must be positive, got ",
                bytes, " and ", iterations);
-  // Source and destination halves in one registered buffer.
-  std::vector<uint8_t> memory(2 * bytes, 1);
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  mp.address = memory.data();
-  mp.length = memory.size();
-  ucp_mem_h memh = nullptr;
-  EPCOMM_CHECK_UCS(ucp_mem_map(context_, &mp, &memh));
-  void* packed = nullptr;
-  size_t packed_bytes = 0;
-  ucs_status_t st = ucp_rkey_pack(context_, memh, &packed, &packed_bytes);
-  std::vector<std::byte> rkey_blob = st == UCS_OK ? as_bytes(packed, packed_bytes) : std::vector<std::byte>{};
-  if (packed) ucp_rkey_buffer_release(packed);
-  struct Target {
-    uint64_t address, rkey_bytes;
-  } mine{reinterpret_cast<uint64_t>(memory.data() + bytes), rkey_blob.size()};
-  std::vector<std::byte> all = bootstrap.all_gather(as_bytes(&mine, sizeof mine));
-  std::vector<Target> targets(size_);
-  std::vector<size_t> lengths(size_);
-  for (int r = 0; r < size_; ++r) {
-    std::memcpy(&targets[r], all.data() + r * sizeof(Target), sizeof(Target));
-    lengths[r] = targets[r].rkey_bytes;
-  }
-  auto rkeys = gather_blobs(bootstrap, rkey_blob, lengths);
-
-  double gbps = 0;
-  std::string error = st == UCS_OK ? "" : detail::cat("ucp_rkey_pack failed: ", status_text(st));
-  bootstrap.barrier();  // start together: both directions share the link
-  if (!options_.peers.empty() && error.empty()) {
-    Peer& p = peer_of(options_.peers.front(), "measure_link_gbps");
-    ucp_rkey_h rkey = nullptr;
-    st = ucp_ep_rkey_unpack(p.ep, rkeys[p.rank].data(), &rkey);
-    const auto deadline = deadline_after(options_.timeout_s);
-    const auto t0 = Clock::now();
-    for (int i = 0; i < iterations && st == UCS_OK; ++i) {
-      ucp_request_param_t rp{};
-      ucs_status_ptr_t req = ucp_put_nbx(p.ep, memory.data(), bytes, targets[p.rank].address, rkey, &rp);
-      if (UCS_PTR_IS_ERR(req))
-        st = UCS_PTR_STATUS(req);
-      else if (req)
-        ucp_request_free(req);
-      if (st == UCS_OK) st = wait_request(ucp_ep_flush_nbx(p.ep, &rp), deadline);
-    }
-    const double s = seconds_since(t0);
-    if (rkey) ucp_rkey_destroy(rkey);
-    if (st == UCS_OK)
-      gbps = static_cast<double>(bytes) * iterations / s / 1e9;
-    else
-      error = detail::cat("measure_link_gbps: put to rank ", p.rank, " failed: ", status_text(st));
-  }
-  bootstrap.barrier();  // nobody unmaps while a peer still puts into it
-  ucp_mem_unmap(context_, memh);
-  if (!error.empty()) EPCOMM_THROW(SystemError, error);
-  return gbps;
+  const int partner = options_.peers.empty() ? -1 : options_.peers.front();
+  ucp_ep_h ep = partner < 0 ? nullptr : peer_of(partner, "measure_link_gbps").ep;
+  return measure_put_gbps(context_, bootstrap, ep, partner, bytes, iterations, options_.timeout_s);
 }
 
 }  // namespace
