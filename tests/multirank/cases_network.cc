@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -288,6 +289,33 @@ MR_CASE("net_unequal_regions", {false, 2}) {
   std::string list = "rank 0 = 4096, rank 1 = 8192";
   expect_invalid_usage([&] { open_endpoint(ctx, bytes, all_others(ctx)); }, {"region_bytes", list});
   // The bootstrap is still in step: an equal retry works.
+  auto e = open_endpoint(ctx, 4096, all_others(ctx));
+  REQUIRE(e->net->failure().empty(), e->net->failure());
+}
+
+MR_CASE("net_setup_errors", {false, 2}) {
+  // Errors that one rank's arguments cause are raised on every rank, at once and in step: an asymmetric
+  // peer list (InvalidUsage everywhere), and a bad peer list on rank 1 (its own InvalidUsage; Aborted
+  // naming it elsewhere). Afterwards a correct Network works.
+  std::vector<int> peers = ctx.rank == 1 ? std::vector<int>{} : all_others(ctx);
+  if (ctx.rank != 1) peers.erase(std::remove(peers.begin(), peers.end(), 1), peers.end());
+  if (ctx.rank == 0) peers.push_back(1);  // only rank 0 lists rank 1
+  expect_invalid_usage([&] { open_endpoint(ctx, 4096, peers); },
+                       {"rank 0 lists rank 1 as a peer, but rank 1 does not list rank 0"});
+  auto t0 = Clock::now();
+  try {
+    open_endpoint(ctx, 4096, ctx.rank == 1 ? std::vector<int>{1} : all_others(ctx));
+    REQUIRE(false, "a bad peer list on rank 1 must fail everywhere");
+  } catch (const Error& e) {
+    std::string m = e.what();
+    if (ctx.rank == 1)
+      REQUIRE(e.code() == ErrorCode::InvalidUsage && m.find("peer 1 of rank 1") != std::string::npos, m);
+    else
+      REQUIRE(e.code() == ErrorCode::Aborted &&
+                  m.find("rank 1 failed to create its Network") != std::string::npos,
+              m);
+  }
+  REQUIRE(seconds_since(t0) < 5, "the error took ", seconds_since(t0), " s");
   auto e = open_endpoint(ctx, 4096, all_others(ctx));
   REQUIRE(e->net->failure().empty(), e->net->failure());
 }

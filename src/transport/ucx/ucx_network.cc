@@ -328,15 +328,14 @@ void UcxNetwork::exchange_and_connect(Bootstrap& bootstrap, bool local_setup_fai
     address_lengths[r] = infos[r].address_bytes;
     rkey_lengths[r] = infos[r].rkey_bytes;
   }
+  check_agreement(infos);
   // Every rank checks every pair, so that all raise the same error.
+  const auto lists = [&](int a, int b) { return all[a * stride + sizeof(RankInfo) + b] != std::byte{0}; };
   for (int a = 0; a < size_; ++a)
     for (int b = 0; b < size_; ++b)
-      if (all[a * stride + sizeof(RankInfo) + b] != all[b * stride + sizeof(RankInfo) + a])
-        EPCOMM_THROW(InvalidUsage, "make_ucx_network: rank ", a, " lists rank ", b, " as a peer",
-                     all[a * stride + sizeof(RankInfo) + b] == std::byte{0} ? " not" : "", ", but rank ", b,
-                     all[a * stride + sizeof(RankInfo) + b] == std::byte{0} ? " lists" : " does not list",
-                     " rank ", a, " (peers must be symmetric)");
-  check_agreement(infos);
+      if (lists(a, b) && !lists(b, a))
+        EPCOMM_THROW(InvalidUsage, "make_ucx_network: rank ", a, " lists rank ", b, " as a peer, but rank ",
+                     b, " does not list rank ", a, " (peers must be symmetric)");
   auto addresses = gather_blobs(bootstrap, blob, address_lengths);
   auto rkeys = gather_blobs(bootstrap, rkey_blob, rkey_lengths);
   for (int p : options_.peers) connect(p, addresses[p], rkeys[p], infos[p].region_address);
@@ -345,7 +344,7 @@ void UcxNetwork::exchange_and_connect(Bootstrap& bootstrap, bool local_setup_fai
 void UcxNetwork::check_agreement(const std::vector<RankInfo>& infos) const {
   for (int r = 0; r < size_; ++r)
     if (infos[r].setup_failed)
-      EPCOMM_THROW(Aborted, "make_ucx_network: rank ", r, " could not set up UCX (see its error)");
+      EPCOMM_THROW(Aborted, "make_ucx_network: rank ", r, " failed to create its Network (see its error)");
   bool same_size = true, same_mode = true;
   for (const RankInfo& i : infos) {
     same_size &= i.region_bytes == infos[0].region_bytes;
@@ -439,12 +438,17 @@ uint64_t UcxNetwork::write_signal(int peer, const Piece* pieces, int num_pieces,
   }
   EPCOMM_CHECK(num_pieces >= 0 && (num_pieces == 0 || pieces), "write_signal: bad piece list");
   size_t length = 0;
-  for (int i = 0; i < num_pieces; ++i) length += pieces[i].bytes;
+  for (int i = 0; i < num_pieces; ++i) {
+    EPCOMM_CHECK(pieces[i].bytes <= SIZE_MAX - length, "write_signal to rank ", peer,
+                 ": piece sizes overflow");
+    length += pieces[i].bytes;
+  }
   check_bounds(p, offset, length, signal_offset);
 
   auto* op = new SendOp{this, &p, tickets_.issue(), {}, {}};
   op->header = WireHeader{
-      offset, mode_ == WriteMode::am ? length : 0, signal_offset, signal_value, p.next_seq_out++, rank_, 0};
+      offset, mode_ == WriteMode::am ? length : 0, signal_offset, signal_value, p.next_seq_out++, rank_,
+      kWrite};
   const uint64_t ticket = op->ticket;
   writes_.fetch_add(1, std::memory_order_relaxed);
   payload_bytes_.fetch_add(length, std::memory_order_relaxed);
@@ -480,8 +484,8 @@ void UcxNetwork::send_am(SendOp* op, const Piece* pieces, int num_pieces) {
 }
 
 // Puts, then a flush (remote completion: the data is in the peer's memory), then the signal as a message.
-// A fence would be cheaper but UCX 1.13 only orders operations of one lane with it, and the signal message
-// may travel on another lane than the puts.
+// A fence would be cheaper, but the signal is an active message that may travel on another lane than the
+// puts, and nothing in UCX 1.13 that we could find promises that a fence orders the two.
 void UcxNetwork::send_put(SendOp* op, const Piece* pieces, int num_pieces) {
   Peer& p = *op->peer;
   uint64_t at = p.remote_region + op->header.offset;
