@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -171,9 +172,11 @@ MR_CASE("net_write_signal", {false, 2}) {
     payload += total;
     ++writes;
   };
+  std::vector<Plan> plans(ctx.size);
+  for (int peer : net.peers()) plans[peer] = plan_of(ctx.rank, peer, L);
   for (int w = 0; w < kWrites; ++w)
     for (int peer : net.peers()) {
-      const Plan::Write& wr = plan_of(ctx.rank, peer, L).writes[w];
+      const Plan::Write& wr = plans[peer].writes[w];
       send(peer, w, wr.offset, wr.pieces, L.signal(ctx.rank), w + 1);
     }
   const size_t third = kBigWrite / 3;
@@ -225,7 +228,8 @@ MR_CASE("net_store_max", {false, 2}) {
   Network::Piece first{rows.data(), kRow};
   net.write_signal(peer, &first, 1, 0, word_a, 7);
   uint64_t t = net.write_signal(peer, nullptr, 0, 0, word_b, 1);
-  REQUIRE(wait_for([&] { return e->signal(word_b).load() == 1; }, 30), "marker missing: ", net.failure());
+  // (>= 1: the peer may already have raised it further with its rows.)
+  REQUIRE(wait_for([&] { return e->signal(word_b).load() >= 1; }, 30), "marker missing: ", net.failure());
   REQUIRE(e->signal(word_a).load() == 1000000, "signal lowered to ", e->signal(word_a).load());
   // Rows with increasing values on word_b; the receiver checks the rows up to what it sees, while they fly.
   for (int s = 1; s < kSteps; ++s) {
@@ -289,6 +293,33 @@ MR_CASE("net_unequal_regions", {false, 2}) {
   REQUIRE(e->net->failure().empty(), e->net->failure());
 }
 
+MR_CASE("net_setup_errors", {false, 2}) {
+  // Errors that one rank's arguments cause are raised on every rank, at once and in step: an asymmetric
+  // peer list (InvalidUsage everywhere), and a bad peer list on rank 1 (its own InvalidUsage; Aborted
+  // naming it elsewhere). Afterwards a correct Network works.
+  std::vector<int> peers = ctx.rank == 1 ? std::vector<int>{} : all_others(ctx);
+  if (ctx.rank != 1) peers.erase(std::remove(peers.begin(), peers.end(), 1), peers.end());
+  if (ctx.rank == 0) peers.push_back(1);  // only rank 0 lists rank 1
+  expect_invalid_usage([&] { open_endpoint(ctx, 4096, peers); },
+                       {"rank 0 lists rank 1 as a peer, but rank 1 does not list rank 0"});
+  auto t0 = Clock::now();
+  try {
+    open_endpoint(ctx, 4096, ctx.rank == 1 ? std::vector<int>{1} : all_others(ctx));
+    REQUIRE(false, "a bad peer list on rank 1 must fail everywhere");
+  } catch (const Error& e) {
+    std::string m = e.what();
+    if (ctx.rank == 1)
+      REQUIRE(e.code() == ErrorCode::InvalidUsage && m.find("peer 1 of rank 1") != std::string::npos, m);
+    else
+      REQUIRE(e.code() == ErrorCode::Aborted &&
+                  m.find("rank 1 failed to create its Network") != std::string::npos,
+              m);
+  }
+  REQUIRE(seconds_since(t0) < 5, "the error took ", seconds_since(t0), " s");
+  auto e = open_endpoint(ctx, 4096, all_others(ctx));
+  REQUIRE(e->net->failure().empty(), e->net->failure());
+}
+
 MR_CASE("net_peer_killed", {true, 2, 1}) {
   // Rank 1 dies (SIGKILL) while the others write to it: failure() names rank 1 within the deadline,
   // write_signal raises Aborted naming it, on_arrival(1) woke the waiters, and destruction does not hang.
@@ -321,7 +352,10 @@ MR_CASE("net_peer_killed", {true, 2, 1}) {
       "failure: '", f, "' after ", seconds_since(t0), " s");
   REQUIRE(net.failed_peer() == 1, "failed_peer ", net.failed_peer());
   REQUIRE(seconds_since(t0) < timeout, "failure seen after ", seconds_since(t0), " s");
-  REQUIRE(e->arrivals[1].load() > 0, "on_arrival(1) not called on failure");
+  std::fprintf(stderr, "[rank %d] saw the failure after %.3f s: %s\n", ctx.rank, seconds_since(t0),
+               f.c_str());
+  // on_arrival runs right after the failure is recorded (so a woken waiter sees it): allow it a moment.
+  REQUIRE(wait_for([&] { return e->arrivals[1].load() > 0; }, 1), "on_arrival(1) not called on failure");
   if (!aborted) {
     try {
       net.write_signal(1, &piece, 1, 0, 1 << 19, 2);

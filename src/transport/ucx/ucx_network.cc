@@ -17,13 +17,12 @@
 #include "common/env.h"
 #include "epcomm/bootstrap.h"
 #include "transport/network.h"
-#include "transport/ucx/ucx_check.h"
+#include "transport/ucx/ucx_link.h"
+#include "transport/ucx/ucx_util.h"
 
 namespace epcomm {
 namespace ucx {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 constexpr unsigned kAmWrite = 17;  // the one active-message id of this transport
 
@@ -42,8 +41,9 @@ struct WireHeader {
   uint64_t value;
   uint64_t seq;  // per (sender, receiver): signals are applied in this order
   int32_t sender;
-  uint32_t reserved;
+  uint32_t kind;  // kWrite, or kGoodbye: the sender is closing its Network (not a failure)
 };
+constexpr uint32_t kWrite = 0, kGoodbye = 1;
 
 // What a rank publishes at setup (first all_gather round); the blobs follow in a second round.
 struct RankInfo {
@@ -67,10 +67,11 @@ struct Peer {
   UcxNetwork* net = nullptr;
   int rank = -1;
   ucp_ep_h ep = nullptr;
-  ucp_rkey_h rkey = nullptr;   // put mode: the peer's region
-  uint64_t remote_region = 0;  // put mode: its address in the peer's process
-  uint64_t next_seq_out = 0;   // communication thread only
-  std::atomic<bool> failed{false};
+  ucp_rkey_h rkey = nullptr;          // put mode: the peer's region
+  uint64_t remote_region = 0;         // put mode: its address in the peer's process
+  uint64_t next_seq_out = 0;          // communication thread only
+  std::atomic<bool> failed{false};    // failed, or departed: write_signal raises Aborted
+  bool departed = false;              // said goodbye: its disconnect is not a failure (fail_mu_)
   std::string failure;                // guarded by UcxNetwork::fail_mu_
   uint64_t next_seq_in = 0;           // guarded by UcxNetwork::recv_mu_
   std::map<uint64_t, Landed> landed;  // arrived out of order, guarded by recv_mu_
@@ -118,57 +119,6 @@ class TicketTracker {
   std::deque<bool> done_;
 };
 
-bool is_request(ucs_status_ptr_t p) {
-  return p != nullptr && !UCS_PTR_IS_ERR(p);
-}
-
-Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-// Polls a request until it leaves UCS_INPROGRESS (the progress thread drives it) or the deadline passes;
-// frees it either way. Returns its status, or UCS_ERR_TIMED_OUT.
-ucs_status_t wait_request(ucs_status_ptr_t req, Clock::time_point deadline) {
-  if (req == nullptr) return UCS_OK;
-  if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
-  ucs_status_t st;
-  int polls = 0;
-  while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS) {
-    if (Clock::now() > deadline) {
-      ucp_request_free(req);  // UCX releases it when it completes
-      return UCS_ERR_TIMED_OUT;
-    }
-    // Yield first (a bandwidth measurement waits here), then sleep so that a slow peer costs no CPU.
-    if (++polls < 1000)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  ucp_request_free(req);
-  return st;
-}
-
-std::vector<std::byte> as_bytes(const void* p, size_t n) {
-  const auto* b = static_cast<const std::byte*>(p);
-  return std::vector<std::byte>(b, b + n);
-}
-
-// Every rank contributes `blob` padded to the longest one; returns each rank's blob (unpadded to `lengths`).
-std::vector<std::vector<std::byte>> gather_blobs(Bootstrap& bs, std::vector<std::byte> blob,
-                                                 const std::vector<size_t>& lengths) {
-  const size_t width = std::max<size_t>(1, *std::max_element(lengths.begin(), lengths.end()));
-  blob.resize(width);
-  std::vector<std::byte> all = bs.all_gather(blob);
-  std::vector<std::vector<std::byte>> out(lengths.size());
-  for (size_t r = 0; r < lengths.size(); ++r)
-    out[r].assign(all.begin() + r * width, all.begin() + r * width + lengths[r]);
-  return out;
-}
-
 class UcxNetwork final : public Network {
  public:
   UcxNetwork(Bootstrap& bootstrap, const NetworkOptions& options);
@@ -212,6 +162,8 @@ class UcxNetwork final : public Network {
                           const ucp_am_recv_param_t* param);
   void land(Peer& p, const WireHeader& h, bool has_signal);
   void record_failure(Peer& p, const std::string& message);
+  void depart(Peer& p);
+  void say_goodbye(Clock::time_point deadline) noexcept;
   void notify(int peer_rank);
 
   // Progress thread.
@@ -376,15 +328,14 @@ void UcxNetwork::exchange_and_connect(Bootstrap& bootstrap, bool local_setup_fai
     address_lengths[r] = infos[r].address_bytes;
     rkey_lengths[r] = infos[r].rkey_bytes;
   }
+  check_agreement(infos);
   // Every rank checks every pair, so that all raise the same error.
+  const auto lists = [&](int a, int b) { return all[a * stride + sizeof(RankInfo) + b] != std::byte{0}; };
   for (int a = 0; a < size_; ++a)
     for (int b = 0; b < size_; ++b)
-      if (all[a * stride + sizeof(RankInfo) + b] != all[b * stride + sizeof(RankInfo) + a])
-        EPCOMM_THROW(InvalidUsage, "make_ucx_network: rank ", a, " lists rank ", b, " as a peer",
-                     all[a * stride + sizeof(RankInfo) + b] == std::byte{0} ? " not" : "", ", but rank ", b,
-                     all[a * stride + sizeof(RankInfo) + b] == std::byte{0} ? " lists" : " does not list",
-                     " rank ", a, " (peers must be symmetric)");
-  check_agreement(infos);
+      if (lists(a, b) && !lists(b, a))
+        EPCOMM_THROW(InvalidUsage, "make_ucx_network: rank ", a, " lists rank ", b, " as a peer, but rank ",
+                     b, " does not list rank ", a, " (peers must be symmetric)");
   auto addresses = gather_blobs(bootstrap, blob, address_lengths);
   auto rkeys = gather_blobs(bootstrap, rkey_blob, rkey_lengths);
   for (int p : options_.peers) connect(p, addresses[p], rkeys[p], infos[p].region_address);
@@ -393,7 +344,7 @@ void UcxNetwork::exchange_and_connect(Bootstrap& bootstrap, bool local_setup_fai
 void UcxNetwork::check_agreement(const std::vector<RankInfo>& infos) const {
   for (int r = 0; r < size_; ++r)
     if (infos[r].setup_failed)
-      EPCOMM_THROW(Aborted, "make_ucx_network: rank ", r, " could not set up UCX (see its error)");
+      EPCOMM_THROW(Aborted, "make_ucx_network: rank ", r, " failed to create its Network (see its error)");
   bool same_size = true, same_mode = true;
   for (const RankInfo& i : infos) {
     same_size &= i.region_bytes == infos[0].region_bytes;
@@ -487,12 +438,17 @@ uint64_t UcxNetwork::write_signal(int peer, const Piece* pieces, int num_pieces,
   }
   EPCOMM_CHECK(num_pieces >= 0 && (num_pieces == 0 || pieces), "write_signal: bad piece list");
   size_t length = 0;
-  for (int i = 0; i < num_pieces; ++i) length += pieces[i].bytes;
+  for (int i = 0; i < num_pieces; ++i) {
+    EPCOMM_CHECK(pieces[i].bytes <= SIZE_MAX - length, "write_signal to rank ", peer,
+                 ": piece sizes overflow");
+    length += pieces[i].bytes;
+  }
   check_bounds(p, offset, length, signal_offset);
 
   auto* op = new SendOp{this, &p, tickets_.issue(), {}, {}};
   op->header = WireHeader{
-      offset, mode_ == WriteMode::am ? length : 0, signal_offset, signal_value, p.next_seq_out++, rank_, 0};
+      offset, mode_ == WriteMode::am ? length : 0, signal_offset, signal_value, p.next_seq_out++, rank_,
+      kWrite};
   const uint64_t ticket = op->ticket;
   writes_.fetch_add(1, std::memory_order_relaxed);
   payload_bytes_.fetch_add(length, std::memory_order_relaxed);
@@ -528,8 +484,8 @@ void UcxNetwork::send_am(SendOp* op, const Piece* pieces, int num_pieces) {
 }
 
 // Puts, then a flush (remote completion: the data is in the peer's memory), then the signal as a message.
-// A fence would be cheaper but UCX 1.13 only orders operations of one lane with it, and the signal message
-// may travel on another lane than the puts.
+// A fence would be cheaper, but the signal is an active message that may travel on another lane than the
+// puts, and nothing in UCX 1.13 that we could find promises that a fence orders the two.
 void UcxNetwork::send_put(SendOp* op, const Piece* pieces, int num_pieces) {
   Peer& p = *op->peer;
   uint64_t at = p.remote_region + op->header.offset;
@@ -619,6 +575,10 @@ ucs_status_t UcxNetwork::on_message(const void* header, size_t header_length, vo
   int i = (h.sender >= 0 && h.sender < size_) ? peer_index_[h.sender] : -1;
   if (i < 0) return reject;
   Peer& p = *peers_[i];
+  if (h.kind == kGoodbye) {
+    depart(p);
+    return reject;
+  }
   const size_t region = options_.region_bytes;
   // The sender checked too; this check protects this rank's memory from a confused or hostile peer.
   if (h.length != length || h.offset > region || h.length > region - h.offset || h.signal_offset % 8 != 0 ||
@@ -684,7 +644,8 @@ void UcxNetwork::land(Peer& p, const WireHeader& h, bool has_signal) {
 void UcxNetwork::record_failure(Peer& p, const std::string& message) {
   {
     std::lock_guard lock(fail_mu_);
-    if (p.failed.load()) return;
+    // A peer that said goodbye, or our own teardown, closes connections: not failures.
+    if (p.failed.load() || closing_.load()) return;
     p.failure = message;
     p.failed.store(true);
     if (failure_.empty()) {
@@ -693,6 +654,14 @@ void UcxNetwork::record_failure(Peer& p, const std::string& message) {
     }
   }
   notify(p.rank);  // waiters wake and see the failure
+}
+
+void UcxNetwork::depart(Peer& p) {
+  std::lock_guard lock(fail_mu_);
+  p.departed = true;
+  if (p.failed.load()) return;
+  p.failure = detail::cat("rank ", p.rank, " closed its connection to rank ", rank_);
+  p.failed.store(true);
 }
 
 void UcxNetwork::notify(int peer_rank) {
@@ -724,17 +693,18 @@ void UcxNetwork::wake_progress() {
   if (idle_sleep_.load()) ucp_worker_signal(worker_);
 }
 
-// Drains the worker, then sleeps on its event fd: long when idle (the stop flag is also signalled), 1 ms
-// when operations are in flight, in case a transport completes them without an event.
+// Drains the worker, then sleeps on its event fd: 100 ms when idle (a write or the stop flag signals the
+// worker), 1 ms while operations are in flight, in case a transport moves them on without an event.
+// Polling without sleeping while busy was tried: on 2 shared cores it cost the sending thread more than it
+// gained (docs/internode.md).
 void UcxNetwork::progress_loop() {
   while (!stop_.load()) {
     while (ucp_worker_progress(worker_) != 0) {
     }
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     idle_sleep_.store(true);
-    const int timeout_ms = in_flight_.load() > 0 ? 1 : 100;
     epoll_event ev;
-    if (!stop_.load()) epoll_wait(epoll_fd_, &ev, 1, timeout_ms);
+    if (!stop_.load()) epoll_wait(epoll_fd_, &ev, 1, in_flight_.load() > 0 ? 1 : 100);
     idle_sleep_.store(false);
   }
 }
@@ -748,6 +718,7 @@ void UcxNetwork::teardown() noexcept {
     while (in_flight_.load() > 0 && Clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+  if (progress_.joinable()) say_goodbye(deadline);
   closing_.store(true);
   for (auto& p : peers_)
     if (p->rkey) ucp_rkey_destroy(p->rkey), p->rkey = nullptr;
@@ -763,6 +734,19 @@ void UcxNetwork::teardown() noexcept {
   if (context_) ucp_cleanup(context_);
   worker_ = nullptr;
   context_ = nullptr;
+}
+
+// Tells live peers that the coming disconnect is a close, not a failure (a peer that outlives this Network
+// must not report it as failed). The flush-close that follows delivers the message first.
+void UcxNetwork::say_goodbye(Clock::time_point deadline) noexcept {
+  std::vector<ucs_status_ptr_t> requests;
+  WireHeader bye{0, 0, 0, 0, 0, rank_, kGoodbye};
+  for (auto& p : peers_) {
+    if (!p->ep || p->failed.load()) continue;
+    ucp_request_param_t rp{};
+    requests.push_back(ucp_am_send_nbx(p->ep, kAmWrite, &bye, sizeof bye, nullptr, 0, &rp));
+  }
+  for (ucs_status_ptr_t req : requests) wait_request(req, deadline);
 }
 
 // Flush-close endpoints to live peers (what we sent is delivered), force-close failed ones; the progress
@@ -785,60 +769,9 @@ void UcxNetwork::close_endpoints(Clock::time_point deadline) noexcept {
 double UcxNetwork::measure_link_gbps(Bootstrap& bootstrap, size_t bytes, int iterations) {
   EPCOMM_CHECK(bytes > 0 && iterations > 0, "measure_link_gbps: bytes and iterations must be positive, got ",
                bytes, " and ", iterations);
-  // Source and destination halves in one registered buffer.
-  std::vector<uint8_t> memory(2 * bytes, 1);
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  mp.address = memory.data();
-  mp.length = memory.size();
-  ucp_mem_h memh = nullptr;
-  EPCOMM_CHECK_UCS(ucp_mem_map(context_, &mp, &memh));
-  void* packed = nullptr;
-  size_t packed_bytes = 0;
-  ucs_status_t st = ucp_rkey_pack(context_, memh, &packed, &packed_bytes);
-  std::vector<std::byte> rkey_blob = st == UCS_OK ? as_bytes(packed, packed_bytes) : std::vector<std::byte>{};
-  if (packed) ucp_rkey_buffer_release(packed);
-  struct Target {
-    uint64_t address, rkey_bytes;
-  } mine{reinterpret_cast<uint64_t>(memory.data() + bytes), rkey_blob.size()};
-  std::vector<std::byte> all = bootstrap.all_gather(as_bytes(&mine, sizeof mine));
-  std::vector<Target> targets(size_);
-  std::vector<size_t> lengths(size_);
-  for (int r = 0; r < size_; ++r) {
-    std::memcpy(&targets[r], all.data() + r * sizeof(Target), sizeof(Target));
-    lengths[r] = targets[r].rkey_bytes;
-  }
-  auto rkeys = gather_blobs(bootstrap, rkey_blob, lengths);
-
-  double gbps = 0;
-  std::string error = st == UCS_OK ? "" : detail::cat("ucp_rkey_pack failed: ", status_text(st));
-  bootstrap.barrier();  // start together: both directions share the link
-  if (!options_.peers.empty() && error.empty()) {
-    Peer& p = peer_of(options_.peers.front(), "measure_link_gbps");
-    ucp_rkey_h rkey = nullptr;
-    st = ucp_ep_rkey_unpack(p.ep, rkeys[p.rank].data(), &rkey);
-    const auto deadline = deadline_after(options_.timeout_s);
-    const auto t0 = Clock::now();
-    for (int i = 0; i < iterations && st == UCS_OK; ++i) {
-      ucp_request_param_t rp{};
-      ucs_status_ptr_t req = ucp_put_nbx(p.ep, memory.data(), bytes, targets[p.rank].address, rkey, &rp);
-      if (UCS_PTR_IS_ERR(req))
-        st = UCS_PTR_STATUS(req);
-      else if (req)
-        ucp_request_free(req);
-      if (st == UCS_OK) st = wait_request(ucp_ep_flush_nbx(p.ep, &rp), deadline);
-    }
-    const double s = seconds_since(t0);
-    if (rkey) ucp_rkey_destroy(rkey);
-    if (st == UCS_OK)
-      gbps = static_cast<double>(bytes) * iterations / s / 1e9;
-    else
-      error = detail::cat("measure_link_gbps: put to rank ", p.rank, " failed: ", status_text(st));
-  }
-  bootstrap.barrier();  // nobody unmaps while a peer still puts into it
-  ucp_mem_unmap(context_, memh);
-  if (!error.empty()) EPCOMM_THROW(SystemError, error);
-  return gbps;
+  const int partner = options_.peers.empty() ? -1 : options_.peers.front();
+  ucp_ep_h ep = partner < 0 ? nullptr : peer_of(partner, "measure_link_gbps").ep;
+  return measure_put_gbps(context_, bootstrap, ep, partner, bytes, iterations, options_.timeout_s);
 }
 
 }  // namespace
