@@ -297,6 +297,7 @@ static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, e
         moving = true;
         st->shapes_known();
       });
+      ctx.release_lanes();
       st->complete(nullptr);
     } catch (const Error& e) {
       // Fatal: data was moving, a deadline passed, or a peer's Buffer failed. Errors found before any data
@@ -304,6 +305,8 @@ static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, e
       if (moving || e.code() == ErrorCode::Timeout || ctx.saw_peer_failure()) {
         b.mark_failed(e.what());
         ctx.publish_failure(e.what());
+      } else {
+        ctx.release_lanes();  // the Buffer stays usable: the peers' next call may come
       }
       st->complete(std::current_exception());
     } catch (const std::exception& e) {

@@ -88,6 +88,11 @@ class Hierarchy {
     }
   }
 
+  // The network must be done with routing_ and the partials before they go, whatever way the call ends.
+  ~Hierarchy() { ctx_.drain_writes(); }
+  Hierarchy(const Hierarchy&) = delete;
+  Hierarchy& operator=(const Hierarchy&) = delete;
+
   // The routing buffers of the previous window may be reused (the network is done with them).
   bool routing_free() const { return last_routing_ == 0 || inter_->net->complete(last_routing_); }
 

@@ -215,6 +215,11 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   std::vector<std::vector<Network::Piece>> send_pieces(inter ? 2 * M : 0);
   std::vector<uint64_t> forwarded(M, pack(seq, 0));
   uint64_t tickets[2] = {0, 0}, last_ticket = 0;
+  // Whatever way this call ends, the network must be done with send_hdr/send_pieces before they go.
+  struct Drain {
+    const OpContext& ctx;
+    ~Drain() { ctx.drain_writes(); }
+  } drain{ctx};
   std::vector<int64_t> sent(M, 0);  // windows sent to each node
   if (inter) {
     const std::vector<uint8_t>& in_rank = in.cached ? hd->in_rank : in.in_rank;
@@ -268,12 +273,12 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
       last_ticket = std::max(last_ticket, ticket);
     }
   };
-  // Sends every staged window to the nodes that need them, as soon as the rail peer there has published
-  // this call's header (it is then done with its lane for us from the previous call).
+  // Sends every staged window to the nodes that need them, as soon as the rail peer there has finished the
+  // previous call (its lane for us is free then), whether or not its header of this call is in yet.
   auto send_staged = [&](bool& progressed) {
     for (int n = 0; n < M; ++n) {
       if (n == my_node || node_tokens[n].empty() || sent[n] == staged) continue;
-      if (!ctx.header_arrived(inter->topo.rail(n))) continue;
+      if (!ctx.lane_released(inter->topo.rail(n))) continue;
       while (sent[n] < staged) send_window(sent[n]++, n);
       progressed = true;
     }

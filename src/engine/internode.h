@@ -41,6 +41,8 @@ struct alignas(64) LaneControl {
   PeerCell from_proxy;       // in the origin's lane: ack (dispatch windows pulled on that node) and done
                              // (combine partials of a window arrived), written by the proxy over the network
   std::atomic<uint64_t> meta_ready;  // in the proxy's lane: combine routing of window w arrived: pack(seq, w+1)
+  std::atomic<uint64_t> released;    // in the origin's lane: the last call the rail peer there has finished
+                                     // (its lane for us is free again: data of the next call may go)
 };
 
 // Offsets inside one lane. readers: one PeerCell per local index (acks/dones of the node's ranks for the
@@ -61,6 +63,7 @@ struct Internode {
   LaneLayout lane;
   // What this rank sent over the network as rows (for the dedup checks and statistics).
   uint64_t rows_sent = 0, row_bytes_sent = 0;
+  uint64_t last_ticket = 0;  // of the latest network write
 
   size_t lane_offset(int node) const { return static_cast<size_t>(node) * lane_bytes; }  // in the region
 };

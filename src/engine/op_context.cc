@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 namespace epcomm::engine {
 
@@ -29,7 +30,32 @@ void OpContext::notify(int r) const {
 uint64_t OpContext::write_lane(int peer, const Network::Piece* pieces, int n, size_t offset,
                                size_t signal_offset, uint64_t value) const {
   const size_t lane = inter_->lane_offset(inter_->topo.node());
-  return inter_->net->write_signal(peer, pieces, n, lane + offset, lane + signal_offset, value);
+  const uint64_t t = inter_->net->write_signal(peer, pieces, n, lane + offset, lane + signal_offset, value);
+  inter_->last_ticket = std::max(inter_->last_ticket, t);
+  return t;
+}
+
+void OpContext::drain_writes() const noexcept {
+  if (!inter_ || inter_->last_ticket == 0) return;
+  const auto deadline = Clock::now() + timeout_;
+  try {
+    while (!inter_->net->complete(inter_->last_ticket) && inter_->net->failure().empty() &&
+           Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  } catch (...) {
+  }
+}
+
+void OpContext::release_lanes() const noexcept {
+  if (!inter_) return;
+  const Topology& t = inter_->topo;
+  for (int n = 0; n < t.num_nodes; ++n) {
+    if (n == t.node()) continue;
+    try {
+      write_lane(t.rail(n), nullptr, 0, 0, offsetof(LaneControl, released), seq_);
+    } catch (...) {  // the network failed: the next call will say so
+    }
+  }
 }
 
 // Our header (and counts) into the lane each rail peer keeps for our node; `seq` is raised last.

@@ -83,6 +83,15 @@ class OpContext {
   // (quoting its message) or failed earlier; Timeout naming the missing peers.
   // `meanwhile` (optional) runs on every pass of the wait, e.g. to send data to peers already known to be ready.
   void exchange_headers(const std::function<void(bool& progressed)>& meanwhile = {});
+  // Internode: tells the rail peers that this call is over here (their data of the next call may come), and
+  // whether rail peer `peer` has said so for the previous call. Never throws.
+  void release_lanes() const noexcept;
+  // Waits (bounded by the deadline) until the network is done reading every write issued so far, so that
+  // their source buffers may go. Called by the stages' guards when a call ends, early or not. Never throws.
+  void drain_writes() const noexcept;
+  bool lane_released(int peer) const {
+    return lane_control(rank_, node_of(peer))->released.load(std::memory_order_acquire) + 1 >= seq_;
+  }
   // True once rank r's header of this call is visible here.
   bool header_arrived(int r) const { return header(r)->seq.load(std::memory_order_acquire) == seq_; }
 
