@@ -51,6 +51,8 @@ std::unique_ptr<Bootstrap> make_in_process_bootstrap(std::shared_ptr<InProcessWo
 // connected rank), or says that rank 0 is not listening. Ranks other than 0 wait up to min(timeout, 2 s)
 // longer than rank 0 for its verdict, so their errors name the culprit too. unique_id() is derived from
 // job_id (equal on every rank). No SIGPIPE is ever raised.
+// A job_id of the form "tcp://A.B.C.D:PORT" puts rank 0's listener on that TCP address instead, for ranks on
+// different hosts or network namespaces (hosts of the same byte order); everything else is the same.
 std::unique_ptr<Bootstrap> make_local_bootstrap(
     const std::string& job_id, int rank, int size,
     std::chrono::milliseconds timeout = std::chrono::seconds(100));

@@ -127,7 +127,8 @@ class LocalBootstrap final : public Bootstrap {
 
   void connect_as_root() {
     const Deadline deadline(timeout_);
-    listener_ = bootstrap_detail::listen_abstract(socket_name(job_id_));
+    listener_ = bootstrap_detail::is_tcp_endpoint(job_id_) ? bootstrap_detail::listen_tcp(job_id_)
+                                                          : bootstrap_detail::listen_abstract(socket_name(job_id_));
     const int listener = listener_.get();
     peers_.resize(static_cast<size_t>(size_));
     struct Pending {
@@ -290,7 +291,8 @@ class LocalBootstrap final : public Bootstrap {
     const std::string name = socket_name(job_id_);
     auto backoff = 1ms;
     for (;;) {
-      root_ = bootstrap_detail::try_connect_abstract(name);
+      root_ = bootstrap_detail::is_tcp_endpoint(job_id_) ? bootstrap_detail::try_connect_tcp(job_id_)
+                                                         : bootstrap_detail::try_connect_abstract(name);
       if (root_.valid()) break;
       if (deadline.expired())
         fail(ErrorCode::Timeout,

@@ -1,6 +1,9 @@
 // bootstrap/socket.cc — abstract Unix-domain sockets and framed, deadline-bounded I/O.
 #include "bootstrap/socket.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -97,6 +100,65 @@ Fd try_connect_abstract(const std::string& name) {
     EPCOMM_THROW(SystemError, "bootstrap: connect('@", name, "') failed: ", std::strerror(err), " (errno ",
                  err, ")");
   }
+}
+
+// "tcp://A.B.C.D:PORT" -> IPv4 socket address; InvalidUsage naming the endpoint otherwise.
+static sockaddr_in tcp_address(const std::string& endpoint) {
+  const std::string rest = endpoint.substr(6);  // after "tcp://"
+  const size_t colon = rest.rfind(':');
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  char* end = nullptr;
+  const long port = colon == std::string::npos ? -1 : std::strtol(rest.c_str() + colon + 1, &end, 10);
+  const bool ok = colon != std::string::npos && end && *end == '\0' && port > 0 && port < 65536 &&
+                  ::inet_pton(AF_INET, rest.substr(0, colon).c_str(), &a.sin_addr) == 1;
+  EPCOMM_CHECK(ok, "bootstrap: endpoint '", endpoint, "': expected tcp://A.B.C.D:PORT (numeric IPv4, port 1..65535)");
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  return a;
+}
+
+static Fd new_tcp_socket() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  EPCOMM_CHECK_ERRNO(fd);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return Fd(fd);
+}
+
+Fd listen_tcp(const std::string& endpoint) {
+  sockaddr_in a = tcp_address(endpoint);
+  Fd fd = new_tcp_socket();
+  int one = 1;
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == -1) {
+    int err = errno;
+    if (err == EADDRINUSE)
+      EPCOMM_THROW(InvalidUsage, "bootstrap: ", endpoint, " is already in use: another job listens there");
+    EPCOMM_THROW(SystemError, "bootstrap: bind(", endpoint, ") failed: ", std::strerror(err), " (errno ", err, ")");
+  }
+  EPCOMM_CHECK_ERRNO(::listen(fd.get(), SOMAXCONN));
+  return fd;
+}
+
+Fd try_connect_tcp(const std::string& endpoint) {
+  sockaddr_in a = tcp_address(endpoint);
+  Fd fd = new_tcp_socket();
+  int rc = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a), sizeof(a));
+  if (rc == -1 && errno == EINPROGRESS) {  // give one attempt up to 200 ms, then let the caller retry
+    pollfd p{fd.get(), POLLOUT, 0};
+    if (::poll(&p, 1, 200) <= 0) return Fd();
+    int err = 0;
+    socklen_t len = sizeof(err);
+    ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    rc = err == 0 ? 0 : -1;
+    errno = err;
+  }
+  if (rc == 0) return fd;
+  int err = errno;
+  if (err == ECONNREFUSED || err == EINTR || err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH ||
+      err == EAGAIN)
+    return Fd();
+  EPCOMM_THROW(SystemError, "bootstrap: connect(", endpoint, ") failed: ", std::strerror(err), " (errno ", err, ")");
 }
 
 Fd accept_pending(int listen_fd) {

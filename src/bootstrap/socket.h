@@ -41,6 +41,11 @@ Fd listen_abstract(const std::string& name);
 // is full, so the caller retries until its deadline; throws Error(SystemError) for anything else.
 Fd try_connect_abstract(const std::string& name);
 
+// The same over TCP, for ranks on different hosts or network namespaces: `endpoint` is "tcp://A.B.C.D:PORT".
+Fd listen_tcp(const std::string& endpoint);
+Fd try_connect_tcp(const std::string& endpoint);
+inline bool is_tcp_endpoint(const std::string& s) { return s.rfind("tcp://", 0) == 0; }
+
 // Accepts one pending connection without blocking; an invalid Fd when none is pending.
 Fd accept_pending(int listen_fd);
 
@@ -51,7 +56,8 @@ enum class IoStatus {
   kMalformed,  // the peer sent bytes that are not an epcomm frame
 };
 
-// Frames are a fixed header then `len` payload bytes, in host byte order (both ends are on one host).
+// Frames are a fixed header then `len` payload bytes, in host byte order (both ends on one host, or, over
+// TCP, on hosts of the same byte order).
 enum class FrameType : uint32_t {
   kHello = 1,  // non-root -> root at connect: payload int32 rank, int32 size
   kWelcome,    // root -> non-root: every rank connected
