@@ -1,6 +1,7 @@
 // multirank/cases_network.cc — the internode Network (transport/network.h) over UCX, driven directly:
 // bytes and signals between ranks of one host over whatever UCX_TLS allows (ctest sets tcp).
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -291,6 +292,23 @@ MR_CASE("net_unequal_regions", {false, 2}) {
   // The bootstrap is still in step: an equal retry works.
   auto e = open_endpoint(ctx, 4096, all_others(ctx));
   REQUIRE(e->net->failure().empty(), e->net->failure());
+}
+
+MR_CASE("net_idle_sleeps", {false, 2}) {
+  // An idle Network costs no CPU: its progress thread sleeps on the worker's event fd. CPU time of the
+  // process (every rank's, under the thread launcher) over one idle second stays far below a busy core's.
+  auto e = open_endpoint(ctx, 4096, all_others(ctx));
+  ctx.group->bootstrap().barrier();
+  auto cpu_seconds = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+  };
+  const double c0 = cpu_seconds();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double used = cpu_seconds() - c0;
+  REQUIRE(used < 0.1, "an idle second cost ", used, " s of CPU");
+  ctx.group->bootstrap().barrier();
 }
 
 MR_CASE("net_setup_errors", {false, 2}) {
