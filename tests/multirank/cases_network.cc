@@ -99,16 +99,20 @@ void expect_invalid_usage(const std::function<void()>& f, const std::vector<std:
 }
 
 // Layout of the correctness case: each sender owns an area of small writes; the one big write (>= 16 MiB)
-// from the previous rank lands in its own area; signal words (one per sender) come last.
+// from the previous rank lands in its own area, then the write of many pieces from the same rank; signal
+// words (one per sender) come last.
 constexpr size_t kSmallArea = 2 << 20;
 constexpr size_t kBigWrite = (16 << 20) + 4099;
+constexpr int kManyPieces = 70;  // more than any transport's iov limit (tcp: 6)
+constexpr size_t kManyArea = kManyPieces * 40000;
 constexpr int kWrites = 300;
 
 struct Layout {
   int size;
   size_t small_area(int sender) const { return sender * kSmallArea; }
   size_t big_area() const { return size * kSmallArea; }
-  size_t signal(int sender) const { return big_area() + ((kBigWrite + 7) / 8) * 8 + 8 * sender; }
+  size_t many_area() const { return big_area() + ((kBigWrite + 7) / 8) * 8; }
+  size_t signal(int sender) const { return many_area() + kManyArea + 8 * sender; }
   size_t bytes() const { return signal(size) + 64; }
 };
 
@@ -182,6 +186,9 @@ MR_CASE("net_write_signal", {false, 2}) {
     }
   const size_t third = kBigWrite / 3;
   send(next, -1, L.big_area(), {third, third, kBigWrite - 2 * third}, L.signal(ctx.rank), kWrites + 1);
+  std::vector<size_t> many;  // ~1.4 MB in 70 pieces: a rendezvous write from an iov list
+  for (int k = 0; k < kManyPieces; ++k) many.push_back(k % 7 == 3 ? 0 : 1 + (k * 7919) % 39999);
+  send(next, -2, L.many_area(), many, L.signal(ctx.rank), kWrites + 2);
 
   REQUIRE(wait_for([&] { return net.complete(tickets.back()); }, 30),
           "tickets did not complete: ", net.failure());
@@ -191,7 +198,7 @@ MR_CASE("net_write_signal", {false, 2}) {
           ", expected ", writes, "/", payload);
 
   for (int s : net.peers()) {
-    const uint64_t last = s == prev ? kWrites + 1 : kWrites;
+    const uint64_t last = s == prev ? kWrites + 2 : kWrites;
     REQUIRE(wait_for([&] { return e->signal(L.signal(s)).load(std::memory_order_acquire) == last; }, 30),
             "signal of rank ", s, " is ", e->signal(L.signal(s)).load(), ", expected ", last, "; ",
             net.failure());
@@ -204,6 +211,12 @@ MR_CASE("net_write_signal", {false, 2}) {
   }
   for (size_t i = 0; i < kBigWrite; ++i)
     REQUIRE(e->region()[L.big_area() + i] == pattern(prev, ctx.rank, -1, i), "big write differs at byte ", i);
+  size_t many_bytes = 0;
+  for (int k = 0; k < kManyPieces; ++k) many_bytes += k % 7 == 3 ? 0 : 1 + (k * 7919) % 39999;
+  for (size_t i = 0; i < many_bytes; ++i)
+    REQUIRE(e->region()[L.many_area() + i] == pattern(prev, ctx.rank, -2, i), "many-piece write differs at ",
+            i);
+  REQUIRE(e->region()[L.many_area() + many_bytes] == 0, "many-piece write ran past its end");
   REQUIRE(e->arrivals[ctx.size].load() == 0 && e->arrivals[ctx.rank].load() == 0,
           "on_arrival with a non-peer");
   ctx.group->bootstrap().barrier();  // nobody tears down while a peer still checks
