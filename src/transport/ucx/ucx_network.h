@@ -117,8 +117,8 @@ class TicketTracker {
 // Owns one UCP context, one worker (UCS_THREAD_MODE_MULTI) and its progress thread, an endpoint per peer,
 // and in put mode the registration of the region. Threads: write_signal/complete/failure come from the
 // owner's communication thread; UCX callbacks (arrivals, completions, endpoint errors) run on the progress
-// thread, which is the only one calling ucp_worker_progress after setup. Construction and destruction are
-// collective in effect (exchange at setup, goodbye messages at teardown) and bounded by timeout_s.
+// thread, the only one calling ucp_worker_progress. Construction is collective; destruction is not (it
+// sends live peers a goodbye, then closes) and, like the wire-up, is bounded by timeout_s.
 class UcxNetwork final : public Network {
  public:
   UcxNetwork(Bootstrap& bootstrap, const NetworkOptions& options);
