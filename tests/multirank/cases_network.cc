@@ -227,42 +227,48 @@ MR_CASE("net_store_max", {false, 2}) {
   // Signals never go down, and are applied in each sender's order: when the receiver sees a signal, the
   // data of that write and of every earlier write of the same sender is in place.
   constexpr int kSteps = 400;
-  constexpr size_t kRow = 14336;  // a 7168-wide bf16 row
-  const size_t word_a = kSteps * kRow, word_b = word_a + 8;
+  constexpr size_t kRow = 14336;      // a 7168-wide bf16 row
+  constexpr size_t kBlock = 4 << 20;  // large enough for the rendezvous protocol
+  const size_t block_at = kSteps * kRow, word_a = block_at + kBlock, word_b = word_a + 8;
   // Ranks pair up (0-1, 2-3); an odd last rank only takes part in the collectives.
   const int peer = ctx.rank ^ 1;
   auto e = open_endpoint(ctx, word_b + 8, peer < ctx.size ? std::vector<int>{peer} : std::vector<int>{});
   Network& net = *e->net;
   if (peer >= ctx.size) return ctx.group->bootstrap().barrier();
-  std::vector<uint8_t> rows(kSteps * kRow);
+  std::vector<uint8_t> rows(kSteps * kRow), block(kBlock);
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = pattern(ctx.rank, peer, static_cast<int>(i / kRow), i);
-  // First a high value, then a lower one with data, then a marker on another word.
+  for (size_t i = 0; i < kBlock; ++i) block[i] = pattern(ctx.rank, peer, -3, i);
+  // A high value alone, then a lower one with a large block, then a marker (no data) on another word: the
+  // marker may not overtake the block, and the lower value may not lower the word.
   Network::Piece none{nullptr, 0};
   net.write_signal(peer, &none, 0, 0, word_a, 1000000);
-  Network::Piece first{rows.data(), kRow};
-  net.write_signal(peer, &first, 1, 0, word_a, 7);
+  Network::Piece big{block.data(), kBlock};
+  net.write_signal(peer, &big, 1, block_at, word_a, 7);
   uint64_t t = net.write_signal(peer, nullptr, 0, 0, word_b, 1);
   // (>= 1: the peer may already have raised it further with its rows.)
-  REQUIRE(wait_for([&] { return e->signal(word_b).load() >= 1; }, 30), "marker missing: ", net.failure());
+  REQUIRE(wait_for([&] { return e->signal(word_b).load(std::memory_order_acquire) >= 1; }, 30),
+          "marker missing: ", net.failure());
   REQUIRE(e->signal(word_a).load() == 1000000, "signal lowered to ", e->signal(word_a).load());
+  for (size_t i = 0; i < kBlock; ++i)
+    REQUIRE(e->region()[block_at + i] == pattern(peer, ctx.rank, -3, i),
+            "the marker overtook the block (byte ", i, ")");
   // Rows with increasing values on word_b; the receiver checks the rows up to what it sees, while they fly.
   for (int s = 1; s < kSteps; ++s) {
     Network::Piece row{rows.data() + s * kRow, kRow};
     t = net.write_signal(peer, &row, 1, s * kRow, word_b, s + 1);
   }
   int checked = 1;
-  const int theirs = peer;
   auto t0 = Clock::now();
   while (checked < kSteps) {
     REQUIRE(seconds_since(t0) < 30, "stuck at row ", checked, ": ", net.failure());
     const int seen = static_cast<int>(e->signal(word_b).load(std::memory_order_acquire));
     for (; checked < seen; ++checked)
       for (size_t i = 0; i < kRow; ++i)
-        REQUIRE(e->region()[checked * kRow + i] == pattern(theirs, ctx.rank, checked, checked * kRow + i),
+        REQUIRE(e->region()[checked * kRow + i] == pattern(peer, ctx.rank, checked, checked * kRow + i),
                 "row ", checked, " not in place when the signal said ", seen);
   }
   REQUIRE(wait_for([&] { return net.complete(t); }, 30), "last ticket incomplete");
-  REQUIRE(e->arrivals[theirs].load() > 0, "on_arrival never called with rank ", theirs);
+  REQUIRE(e->arrivals[peer].load() > 0, "on_arrival never called with rank ", peer);
   ctx.group->bootstrap().barrier();
   REQUIRE(net.failure().empty(), net.failure());
 }
