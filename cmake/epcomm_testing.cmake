@@ -30,7 +30,8 @@ function(epcomm_add_multirank_test case)
       else()
         set(label multirank)
       endif()
-      set_tests_properties(${test_name} PROPERTIES LABELS "${label};${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+      set(labels ${label} ${ARG_LABELS})
+      set_tests_properties(${test_name} PROPERTIES LABELS "${labels}" TIMEOUT ${ARG_TIMEOUT}
                            SKIP_RETURN_CODE 77 PROCESSORS 1)
       if(ARG_ENVIRONMENT)
         set_tests_properties(${test_name} PROPERTIES ENVIRONMENT "${ARG_ENVIRONMENT}")

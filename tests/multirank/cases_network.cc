@@ -1,6 +1,7 @@
 // multirank/cases_network.cc — the internode Network (transport/network.h) over UCX, driven directly:
 // bytes and signals between ranks of one host over whatever UCX_TLS allows (ctest sets tcp).
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +36,9 @@ struct Endpoint {
   int size = 0;
 
   uint8_t* region() { return reinterpret_cast<uint8_t*>(words.data()); }
+  // on_arrival runs just after the signal (or the failure) is stored, so a waiter that saw the word may
+  // be a moment early: allow it one second.
+  bool called_by(int peer) const;
   std::atomic_ref<uint64_t> signal(size_t offset) { return std::atomic_ref<uint64_t>(words[offset / 8]); }
 };
 
@@ -77,6 +81,10 @@ bool wait_for(F done, double timeout_s) {
   return true;
 }
 
+bool Endpoint::called_by(int peer) const {
+  return wait_for([&] { return arrivals[peer].load() > 0; }, 1);
+}
+
 // The byte that write `w` of `sender` to `receiver` carries at position `i`: every byte names its origin.
 uint8_t pattern(int sender, int receiver, int w, size_t i) {
   uint64_t x =
@@ -98,16 +106,20 @@ void expect_invalid_usage(const std::function<void()>& f, const std::vector<std:
 }
 
 // Layout of the correctness case: each sender owns an area of small writes; the one big write (>= 16 MiB)
-// from the previous rank lands in its own area; signal words (one per sender) come last.
+// from the previous rank lands in its own area, then the write of many pieces from the same rank; signal
+// words (one per sender) come last.
 constexpr size_t kSmallArea = 2 << 20;
 constexpr size_t kBigWrite = (16 << 20) + 4099;
+constexpr int kManyPieces = 70;  // more than any transport's iov limit (tcp: 6)
+constexpr size_t kManyArea = kManyPieces * 40000;
 constexpr int kWrites = 300;
 
 struct Layout {
   int size;
   size_t small_area(int sender) const { return sender * kSmallArea; }
   size_t big_area() const { return size * kSmallArea; }
-  size_t signal(int sender) const { return big_area() + ((kBigWrite + 7) / 8) * 8 + 8 * sender; }
+  size_t many_area() const { return big_area() + ((kBigWrite + 7) / 8) * 8; }
+  size_t signal(int sender) const { return many_area() + kManyArea + 8 * sender; }
   size_t bytes() const { return signal(size) + 64; }
 };
 
@@ -181,6 +193,9 @@ MR_CASE("net_write_signal", {false, 2}) {
     }
   const size_t third = kBigWrite / 3;
   send(next, -1, L.big_area(), {third, third, kBigWrite - 2 * third}, L.signal(ctx.rank), kWrites + 1);
+  std::vector<size_t> many;  // ~1.4 MB in 70 pieces: a rendezvous write from an iov list
+  for (int k = 0; k < kManyPieces; ++k) many.push_back(k % 7 == 3 ? 0 : 1 + (k * 7919) % 39999);
+  send(next, -2, L.many_area(), many, L.signal(ctx.rank), kWrites + 2);
 
   REQUIRE(wait_for([&] { return net.complete(tickets.back()); }, 30),
           "tickets did not complete: ", net.failure());
@@ -190,7 +205,7 @@ MR_CASE("net_write_signal", {false, 2}) {
           ", expected ", writes, "/", payload);
 
   for (int s : net.peers()) {
-    const uint64_t last = s == prev ? kWrites + 1 : kWrites;
+    const uint64_t last = s == prev ? kWrites + 2 : kWrites;
     REQUIRE(wait_for([&] { return e->signal(L.signal(s)).load(std::memory_order_acquire) == last; }, 30),
             "signal of rank ", s, " is ", e->signal(L.signal(s)).load(), ", expected ", last, "; ",
             net.failure());
@@ -199,10 +214,16 @@ MR_CASE("net_write_signal", {false, 2}) {
       for (size_t i = 0; i < p.writes[w].length; ++i)
         REQUIRE(e->region()[p.writes[w].offset + i] == pattern(s, ctx.rank, w, i), "write ", w, " of rank ",
                 s, " differs at byte ", i);
-    REQUIRE(e->arrivals[s].load() > 0, "on_arrival never called with rank ", s);
+    REQUIRE(e->called_by(s), "on_arrival never called with rank ", s);
   }
   for (size_t i = 0; i < kBigWrite; ++i)
     REQUIRE(e->region()[L.big_area() + i] == pattern(prev, ctx.rank, -1, i), "big write differs at byte ", i);
+  size_t many_bytes = 0;
+  for (int k = 0; k < kManyPieces; ++k) many_bytes += k % 7 == 3 ? 0 : 1 + (k * 7919) % 39999;
+  for (size_t i = 0; i < many_bytes; ++i)
+    REQUIRE(e->region()[L.many_area() + i] == pattern(prev, ctx.rank, -2, i), "many-piece write differs at ",
+            i);
+  REQUIRE(e->region()[L.many_area() + many_bytes] == 0, "many-piece write ran past its end");
   REQUIRE(e->arrivals[ctx.size].load() == 0 && e->arrivals[ctx.rank].load() == 0,
           "on_arrival with a non-peer");
   ctx.group->bootstrap().barrier();  // nobody tears down while a peer still checks
@@ -213,42 +234,48 @@ MR_CASE("net_store_max", {false, 2}) {
   // Signals never go down, and are applied in each sender's order: when the receiver sees a signal, the
   // data of that write and of every earlier write of the same sender is in place.
   constexpr int kSteps = 400;
-  constexpr size_t kRow = 14336;  // a 7168-wide bf16 row
-  const size_t word_a = kSteps * kRow, word_b = word_a + 8;
+  constexpr size_t kRow = 14336;      // a 7168-wide bf16 row
+  constexpr size_t kBlock = 4 << 20;  // large enough for the rendezvous protocol
+  const size_t block_at = kSteps * kRow, word_a = block_at + kBlock, word_b = word_a + 8;
   // Ranks pair up (0-1, 2-3); an odd last rank only takes part in the collectives.
   const int peer = ctx.rank ^ 1;
   auto e = open_endpoint(ctx, word_b + 8, peer < ctx.size ? std::vector<int>{peer} : std::vector<int>{});
   Network& net = *e->net;
   if (peer >= ctx.size) return ctx.group->bootstrap().barrier();
-  std::vector<uint8_t> rows(kSteps * kRow);
+  std::vector<uint8_t> rows(kSteps * kRow), block(kBlock);
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = pattern(ctx.rank, peer, static_cast<int>(i / kRow), i);
-  // First a high value, then a lower one with data, then a marker on another word.
+  for (size_t i = 0; i < kBlock; ++i) block[i] = pattern(ctx.rank, peer, -3, i);
+  // A high value alone, then a lower one with a large block, then a marker (no data) on another word: the
+  // marker may not overtake the block, and the lower value may not lower the word.
   Network::Piece none{nullptr, 0};
   net.write_signal(peer, &none, 0, 0, word_a, 1000000);
-  Network::Piece first{rows.data(), kRow};
-  net.write_signal(peer, &first, 1, 0, word_a, 7);
+  Network::Piece big{block.data(), kBlock};
+  net.write_signal(peer, &big, 1, block_at, word_a, 7);
   uint64_t t = net.write_signal(peer, nullptr, 0, 0, word_b, 1);
   // (>= 1: the peer may already have raised it further with its rows.)
-  REQUIRE(wait_for([&] { return e->signal(word_b).load() >= 1; }, 30), "marker missing: ", net.failure());
+  REQUIRE(wait_for([&] { return e->signal(word_b).load(std::memory_order_acquire) >= 1; }, 30),
+          "marker missing: ", net.failure());
   REQUIRE(e->signal(word_a).load() == 1000000, "signal lowered to ", e->signal(word_a).load());
+  for (size_t i = 0; i < kBlock; ++i)
+    REQUIRE(e->region()[block_at + i] == pattern(peer, ctx.rank, -3, i),
+            "the marker overtook the block (byte ", i, ")");
   // Rows with increasing values on word_b; the receiver checks the rows up to what it sees, while they fly.
   for (int s = 1; s < kSteps; ++s) {
     Network::Piece row{rows.data() + s * kRow, kRow};
     t = net.write_signal(peer, &row, 1, s * kRow, word_b, s + 1);
   }
   int checked = 1;
-  const int theirs = peer;
   auto t0 = Clock::now();
   while (checked < kSteps) {
     REQUIRE(seconds_since(t0) < 30, "stuck at row ", checked, ": ", net.failure());
     const int seen = static_cast<int>(e->signal(word_b).load(std::memory_order_acquire));
     for (; checked < seen; ++checked)
       for (size_t i = 0; i < kRow; ++i)
-        REQUIRE(e->region()[checked * kRow + i] == pattern(theirs, ctx.rank, checked, checked * kRow + i),
+        REQUIRE(e->region()[checked * kRow + i] == pattern(peer, ctx.rank, checked, checked * kRow + i),
                 "row ", checked, " not in place when the signal said ", seen);
   }
   REQUIRE(wait_for([&] { return net.complete(t); }, 30), "last ticket incomplete");
-  REQUIRE(e->arrivals[theirs].load() > 0, "on_arrival never called with rank ", theirs);
+  REQUIRE(e->called_by(peer), "on_arrival never called with rank ", peer);
   ctx.group->bootstrap().barrier();
   REQUIRE(net.failure().empty(), net.failure());
 }
@@ -278,7 +305,7 @@ MR_CASE("net_out_of_range", {false, 2}) {
   REQUIRE(e->region()[kRegion - 108] == 0xAB && e->region()[kRegion - 9] == 0xAB &&
               e->region()[kRegion - 109] == 0,
           "edge write misplaced");
-  REQUIRE(e->arrivals[from].load() > 0, "no arrival from ", from);
+  REQUIRE(e->called_by(from), "on_arrival never called with rank ", from);
   ctx.group->bootstrap().barrier();
   REQUIRE(net.failure().empty(), net.failure());
 }
@@ -291,6 +318,23 @@ MR_CASE("net_unequal_regions", {false, 2}) {
   // The bootstrap is still in step: an equal retry works.
   auto e = open_endpoint(ctx, 4096, all_others(ctx));
   REQUIRE(e->net->failure().empty(), e->net->failure());
+}
+
+MR_CASE("net_idle_sleeps", {false, 2}) {
+  // An idle Network costs no CPU: its progress thread sleeps on the worker's event fd. CPU time of the
+  // process (every rank's, under the thread launcher) over one idle second stays far below a busy core's.
+  auto e = open_endpoint(ctx, 4096, all_others(ctx));
+  ctx.group->bootstrap().barrier();
+  auto cpu_seconds = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+  };
+  const double c0 = cpu_seconds();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double used = cpu_seconds() - c0;
+  REQUIRE(used < 0.1, "an idle second cost ", used, " s of CPU");
+  ctx.group->bootstrap().barrier();
 }
 
 MR_CASE("net_setup_errors", {false, 2}) {
@@ -354,8 +398,7 @@ MR_CASE("net_peer_killed", {true, 2, 1}) {
   REQUIRE(seconds_since(t0) < timeout, "failure seen after ", seconds_since(t0), " s");
   std::fprintf(stderr, "[rank %d] saw the failure after %.3f s: %s\n", ctx.rank, seconds_since(t0),
                f.c_str());
-  // on_arrival runs right after the failure is recorded (so a woken waiter sees it): allow it a moment.
-  REQUIRE(wait_for([&] { return e->arrivals[1].load() > 0; }, 1), "on_arrival(1) not called on failure");
+  REQUIRE(e->called_by(1), "on_arrival(1) not called on failure");
   if (!aborted) {
     try {
       net.write_signal(1, &piece, 1, 0, 1 << 19, 2);
