@@ -2,6 +2,9 @@
 // and on virtual nodes (EPCOMM_RANKS_PER_NODE, set by ctest) gives identical dispatch results, and each token
 // crosses the network once per other node that needs it. The foundation cases also run under virtual nodes
 // (tests/multirank/CMakeLists.txt) against the reference for the partition in use.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 
@@ -119,4 +122,47 @@ MR_CASE("internode_dedup", {}) {
   REQUIRE(sent >= want * row && sent <= want * row + meta_bound, "network bytes ", sent,
           " outside [rows, rows + metadata bound ", meta_bound, "]");
   (void)d;
+}
+
+// Run by tests/multirank/link_cut.sh: two nodes in two network namespaces joined by a veth pair. Rounds of
+// dispatch + combine run until the script cuts the link (rank 0 drops a marker file after the first round);
+// then every rank must fail with an error naming a peer, and tear down within its deadline.
+MR_CASE("internode_link_cut", {}) {
+  const int P = partition_or_skip(ctx);
+  const char* marker = std::getenv("EPCOMM_TEST_MARKER");
+  REQUIRE(marker && *marker, "EPCOMM_TEST_MARKER must name the file rank 0 creates after the first round");
+  BufferOptions o = test_options(4 << 20, env::timeout_s());
+  o.ranks_per_node = P;
+  Buffer buf(ctx.group, o);
+  const Problem pr = make_problem(internode_spec(ctx, 3, 2048));
+  DispatchArgs args;
+  args.x.data = x_of(pr, ctx.rank);
+  args.topk_idx = topk_idx_of(pr, ctx.rank);
+  args.topk_weights = topk_weights_of(pr, ctx.rank);
+  args.num_tokens_per_expert = buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  const auto start = std::chrono::steady_clock::now();
+  for (int round = 0;; ++round) {
+    try {
+      DispatchResult d = buf.dispatch(args);
+      CombineArgs c;
+      c.x = d.recv_x.data;
+      c.handle = d.handle;
+      buf.combine(c);
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      std::fprintf(stderr, "[rank %d] round %d failed as expected: %s\n", ctx.rank, round, m.c_str());
+      REQUIRE(round > 0, "the first round failed before the link was cut: ", m);
+      REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "code ", static_cast<int>(e.code()),
+              ": ", m);
+      REQUIRE(m.find("rank ") != std::string::npos, "the error names no peer: ", m);
+      return;  // the Buffer's teardown is timed by the script
+    }
+    if (round == 0 && ctx.rank == 0) {
+      std::FILE* f = std::fopen(marker, "w");
+      REQUIRE(f != nullptr, "cannot create ", marker);
+      std::fclose(f);
+    }
+    REQUIRE(std::chrono::steady_clock::now() - start < std::chrono::seconds(90),
+            "still running 90 s after the start: the cut link was not noticed");
+  }
 }

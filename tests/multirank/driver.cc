@@ -31,7 +31,9 @@ using namespace epcomm::testing;
 
 static int usage() {
   std::cerr << "usage: multirank_tests --case NAME --launcher thread|fork|mpi --np N | --list  (mpi: run "
-               "under mpirun)\n";
+               "under mpirun)\n"
+               "       multirank_tests --case NAME --launcher tcp --np N --rank R --endpoint tcp://A.B.C.D:PORT "
+               "(one rank; a script starts them all)\n";
   return 2;
 }
 
@@ -48,8 +50,8 @@ static int count_shm_entries() {
 }
 
 int main(int argc, char** argv) {
-  std::string name, launcher = "thread";
-  int np = 2;
+  std::string name, launcher = "thread", endpoint;
+  int np = 2, rank = -1;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--list") {
@@ -63,6 +65,10 @@ int main(int argc, char** argv) {
       launcher = argv[++i];
     else if (a == "--np")
       np = std::atoi(argv[++i]);
+    else if (a == "--rank")
+      rank = std::atoi(argv[++i]);
+    else if (a == "--endpoint")
+      endpoint = argv[++i];
     else
       return usage();
   }
@@ -97,6 +103,17 @@ int main(int argc, char** argv) {
     }
     return 0;
   };
+  if (launcher == "tcp") {  // this process is rank --rank of --np, started by a script (other namespaces)
+    int rc = 0;
+    try {
+      rc = fn(make_local_bootstrap(endpoint, rank, np, std::chrono::seconds(60)));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] %s\n", rank, e.what());
+      rc = 1;
+    }
+    if (rc == 0) std::printf("PASS %s.tcp.rank%d\n", name.c_str(), rank);
+    return rc;
+  }
   if (launcher == "mpi") {  // this process is one rank of an mpirun job
 #ifdef EPCOMM_HAVE_MPI
     int rc = 0;
