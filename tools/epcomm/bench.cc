@@ -49,16 +49,18 @@ const char* kBenchEpilog =
     "in canonical order (slot k, or destination rank), one rounding. Its first iteration must equal\n"
     "epcomm's outputs bitwise (baseline_verified). Open MPI picks its transports (on one host: shared\n"
     "memory). Without MPI (--bootstrap local, or a quantizing --quant) the baseline fields are null.\n\n"
-    "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts, dtype, quant,\n"
+    "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts,\n"
+    "expert_alignment, dtype, quant,\n"
     "launcher (fork|threads|mpi), threads, iters, warmup, rows, row_bytes, bytes, bytes_bf16_equiv,\n"
     "time_us_median, time_us_min, time_us_p99, time_us_max, gbps, gbps_bf16_equiv, memcpy_gbps,\n"
     "ratio_to_memcpy, baseline_time_us_median, baseline_gbps, speedup_vs_baseline, baseline_verified,\n"
     "verified, segment_bytes, peak_rss_mb, peak_rss_mb_per_rank.\n\n"
     "Byte formulas (aggregate over all ranks, payload only, no per-row metadata):\n"
-    "  bytes (dispatch) = sum over ranks of received rows (including rows from the rank itself) x row_bytes,\n"
+    "  rows = rows received by all ranks, including each rank's rows from itself, PAD rows excluded;\n"
+    "  bytes (dispatch) = rows x row_bytes,\n"
     "                     row_bytes = H x elem, or with a quantizing --quant the quantized data plus scale\n"
     "                     bytes of a row: the bytes that actually moved;\n"
-    "  bytes (combine)  = sum over ranks of rows sent back (one per received row) x H x elem.\n"
+    "  bytes (combine)  = rows (each received row is sent back once) x H x elem.\n"
     "  bytes_bf16_equiv = the same rows x H x 2: what they would weigh as bf16 (equals bytes for plain bf16).\n"
     "  gbps = bytes / time_us_median / 1e3 (moved bytes; GB/s, 1 GB = 1e9 bytes);\n"
     "  gbps_bf16_equiv = bytes_bf16_equiv / time_us_median / 1e3 (the rate of useful bf16-valued data).\n"
@@ -163,6 +165,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   da.num_tokens_per_expert = in.layout.num_tokens_per_expert;
   da.quant_mode = ro.quant;
   da.receive_order = order;
+  da.expert_alignment = ro.expert_alignment;
   std::optional<Config> config;
   if (o.threads_flag > 0) {
     config = Buffer::get_dispatch_config(ro.ranks);
@@ -204,9 +207,10 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
                      why.c_str());
         run.ok = 0;
       }
-      run.rows = d.recv_x.data.size(0);
+      run.rows = 0;  // rows that moved: PAD rows (--expert-alignment) excluded
+      for (int64_t n : d.handle->num_recv_rows_per_source()) run.rows += n;
       run.dispatch_bytes = run.rows * ro.dispatch_row_bytes();
-      run.combine_bytes = static_cast<int64_t>(ca.x.nbytes());
+      run.combine_bytes = run.rows * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
       if (o.warmup > 0) progress.phase(name + ": timing");
     }
     run.last_dispatch = std::move(d);
@@ -219,7 +223,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
 // compared bitwise with epcomm's results.
 struct BaselineRun {
   std::vector<double> times;  // dispatch [iters], then combine [iters]
-  int64_t ok = 1;
+  int64_t dispatch_ok = 1, combine_ok = 1;
 };
 
 BaselineRun run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& bs, const Inputs& in,
@@ -235,6 +239,7 @@ BaselineRun run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& b
   bi.experts = ro.experts;
   bi.dtype = ro.dtype;
   bi.order = order;
+  bi.expert_alignment = ro.expert_alignment;
   bi.x = in.x.data();
   bi.ids = in.routing.ids.data();
   bi.weights = in.routing.weights.data();
@@ -259,13 +264,14 @@ BaselineRun run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& b
       run.times[iters + it] = tc;
     }
     if (it == -o.warmup) {
-      std::string why = compare_dispatch(baseline, *ref.last_dispatch, ro.hidden, ro.topk);
-      if (why.empty()) why = compare_combine(baseline, *ref.last_combine, ro.tokens, ro.topk);
-      if (!why.empty()) {
-        std::fprintf(stderr, "epcomm bench: %s: the baseline differs from epcomm on rank %d: %s\n", name.c_str(),
-                     bs.rank(), why.c_str());
-        run.ok = 0;
-      }
+      const std::string whys[2] = {compare_dispatch(baseline, *ref.last_dispatch, ro.hidden, ro.topk),
+                                   compare_combine(baseline, *ref.last_combine, ro.tokens, ro.topk)};
+      for (const std::string& why : whys)
+        if (!why.empty())
+          std::fprintf(stderr, "epcomm bench: %s: the baseline differs from epcomm on rank %d: %s\n",
+                       name.c_str(), bs.rank(), why.c_str());
+      run.dispatch_ok = whys[0].empty();
+      run.combine_ok = whys[1].empty();
     }
   }
   return run;
@@ -291,12 +297,12 @@ Timing slowest_rank_timing(const std::vector<double>& all_times, int ranks, int 
 // Everything one order's JSON lines need, gathered at every rank.
 struct OrderReport {
   std::vector<double> times, baseline_times;  // all ranks, rank-major
-  std::vector<int64_t> counts;                // per rank: rows, dispatch bytes, combine bytes, ok, baseline ok
+  std::vector<int64_t> counts;  // per rank: rows, dispatch bytes, combine bytes, ok, baseline dispatch/combine ok
   std::vector<double> peak_rss_mb;            // per rank
   double memcpy_gbps[2] = {0, 0};             // dispatch, combine
   bool has_baseline = false;
 };
-constexpr int kCounts = 5;
+constexpr int kCounts = 6;
 
 const char* launcher_name(Launcher l) {
   return l == Launcher::fork ? "fork" : l == Launcher::threads ? "threads" : "mpi";
@@ -307,13 +313,14 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   const RunOptions& ro = o.run;
   const int R = ro.ranks, iters = ro.iters;
   int64_t rows = 0, dbytes = 0, cbytes = 0;
-  bool verified = true, baseline_verified = true;
+  bool verified = true, baseline_verified[2] = {true, true};
   for (int s = 0; s < R; ++s) {
     rows += rep.counts[s * kCounts + 0];
     dbytes += rep.counts[s * kCounts + 1];
     cbytes += rep.counts[s * kCounts + 2];
     verified = verified && rep.counts[s * kCounts + 3] == 1;
-    baseline_verified = baseline_verified && rep.counts[s * kCounts + 4] == 1;
+    for (int op = 0; op < 2; ++op)
+      baseline_verified[op] = baseline_verified[op] && rep.counts[s * kCounts + 4 + op] == 1;
   }
   const double peak = *std::max_element(rep.peak_rss_mb.begin(), rep.peak_rss_mb.end());
   for (int op = 0; op < 2; ++op) {
@@ -330,6 +337,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("hidden", ro.hidden)
         .add("topk", ro.topk)
         .add("experts", ro.experts)
+        .add("expert_alignment", ro.expert_alignment)
         .add("dtype", dtype_name(ro.dtype))
         .add("quant", ro.quant_name())
         .add("launcher", launcher_name(ro.launcher))
@@ -356,7 +364,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
       j.add("baseline_time_us_median", bt.median, 1)
           .add("baseline_gbps", bgbps, 3)
           .add("speedup_vs_baseline", tm.median > 0 ? bt.median / tm.median : 0.0, 3)
-          .add("baseline_verified", baseline_verified);
+          .add("baseline_verified", baseline_verified[op]);
       pp.baseline_gbps = bgbps;
     } else {
       j.add_null("baseline_time_us_median")
@@ -396,7 +404,8 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
   rep.times = all_gather_values(bs, run.times);
   if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, base.times);
   rep.counts = all_gather_values(
-      bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok, base.ok});
+      bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok, base.dispatch_ok,
+                               base.combine_ok});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{rss});
   return rep;
 }
@@ -432,7 +441,8 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     for (ReceiveOrder order : o.orders) {
       const OrderReport rep = measure_order(o, order, buffer, bs, in, progress);
       for (int s = 0; s < ro.ranks; ++s)
-        all_ok = all_ok && rep.counts[s * kCounts + 3] == 1 && rep.counts[s * kCounts + 4] == 1;
+        all_ok = all_ok && rep.counts[s * kCounts + 3] == 1 && rep.counts[s * kCounts + 4] == 1 &&
+                 rep.counts[s * kCounts + 5] == 1;
       if (r == 0) print_lines(o, order, rep, buffer.num_nvl_bytes(), plot);
     }
   }
@@ -451,7 +461,7 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
 // `epcomm bench --quantizers`: quant/bench.h on this thread, one JSON line per algorithm and variant.
 int run_quantizer_bench(const FlagParser& p) {
   for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
-                           "launcher", "timeout", "warmup", "bootstrap", "threads", "plot"})
+                           "launcher", "timeout", "warmup", "bootstrap", "threads", "plot", "expert-alignment"})
     if (p.given(name))
       throw UsageError(std::string("--quantizers: --") + name +
                        " does not apply (the quantizer benchmark reads --tokens, --hidden and --iters)");
@@ -500,6 +510,8 @@ int run_bench(int argc, char** argv) {
       "benchmarks the block quantizers instead.");
   add_run_flags(p, {2, 4096, 7168, 256, 8, 20, ""});
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
+  p.add("expert-alignment", "A", "1",
+        "DispatchArgs::expert_alignment: expert_major blocks padded with PAD rows to a multiple of A");
   p.add("bootstrap", "local|mpi", "local",
         "local: start --ranks ranks here (--launcher); mpi: this process is one rank of mpirun's world "
         "(also times the MPI_Alltoallv baseline)");
@@ -519,12 +531,14 @@ int run_bench(int argc, char** argv) {
   BenchOptions o;
   o.tokens = p.integer_list("tokens", 0, int64_t{1} << 30);
   o.warmup = static_cast<int>(p.integer("warmup", 0, 1000000));
+  const int64_t alignment = p.integer("expert-alignment", 1, int64_t{1} << 20);
   o.threads_flag = static_cast<int>(p.integer("threads", 0, 1024));
   o.plot = p.str("plot");
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
     throw UsageError(bad_value("plot", "a file name that can be written", o.plot));
   if (!mpi) {
     o.run = read_run_flags(p, {std::nullopt, true});
+    o.run.expert_alignment = alignment;
     o.threads = resolve_threads(o.threads_flag, o.run.ranks);
     o.orders = o.run.order ? std::vector<ReceiveOrder>{*o.run.order}
                            : std::vector<ReceiveOrder>{ReceiveOrder::expert_major, ReceiveOrder::rank_major};
@@ -547,6 +561,7 @@ int run_bench(int argc, char** argv) {
     return kExitUsage;
   }
   o.run.launcher = Launcher::mpi;
+  o.run.expert_alignment = alignment;
   o.threads = resolve_threads(o.threads_flag, o.run.ranks);
   o.orders = o.run.order ? std::vector<ReceiveOrder>{*o.run.order}
                          : std::vector<ReceiveOrder>{ReceiveOrder::expert_major, ReceiveOrder::rank_major};
