@@ -508,7 +508,7 @@ int run_bench(int argc, char** argv) {
       "stdout) for each operation, receive order and token count. Progress lines go to stderr. Under\n"
       "mpirun with --bootstrap mpi it also times the MPI_Alltoallv baseline. With --quantizers it\n"
       "benchmarks the block quantizers instead.");
-  add_run_flags(p, {2, 4096, 7168, 256, 8, 20, ""});
+  add_run_flags(p, {2, 4096, 7168, 256, 8, 20, "", true});
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
   p.add("expert-alignment", "A", "1",
         "DispatchArgs::expert_alignment: expert_major blocks padded with PAD rows to a multiple of A");

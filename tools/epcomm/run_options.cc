@@ -47,7 +47,9 @@ int64_t RunOptions::dispatch_row_bytes() const {
 
 void add_run_flags(FlagParser& p, const RunDefaults& d) {
   p.add("ranks", "R", std::to_string(d.ranks), "number of local ranks (processes or threads)");
-  p.add("tokens", "T", std::to_string(d.tokens), "tokens per rank");
+  p.add("tokens", d.token_list ? "T[,T...]" : "T", std::to_string(d.tokens),
+        d.token_list ? "tokens per rank; a comma-separated list measures each (e.g. 256,1024,4096,16384)"
+                     : "tokens per rank");
   p.add("hidden", "H", std::to_string(d.hidden), "hidden size (elements per token row)");
   p.add("experts", "E", std::to_string(d.experts), "number of experts (a multiple of --ranks)");
   p.add("topk", "K", std::to_string(d.topk), "experts per token (<= --experts)");

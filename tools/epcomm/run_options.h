@@ -49,7 +49,8 @@ struct RunDefaults {
   int ranks;
   int64_t tokens, hidden;
   int experts, topk, iters;
-  std::string order;  // "" = the command decides (bench: both)
+  std::string order;        // "" = the command decides (bench: both)
+  bool token_list = false;  // --tokens takes a comma-separated list (bench sweeps it)
 };
 
 // What a command changes in how read_run_flags reads the shared flags.
