@@ -67,6 +67,7 @@ const char* kBenchEpilog =
     "  memcpy_gbps: every rank concurrently copies, with plain memcpy from one private pre-touched buffer\n"
     "    into another, exactly as many bytes as it received (dispatch) or sent (combine) in the measured\n"
     "    operation, with `threads` threads; sum of those bytes / the slowest rank's time, median of 5.\n"
+    "    (With threads > 1 the helpers exist before the clock starts; waking them is timed.)\n"
     "  ratio_to_memcpy = gbps / memcpy_gbps (1.0: as fast as copying each byte once).\n"
     "  baseline_gbps = the same bytes / the baseline's median time (its extra pack and unpack copies and\n"
     "    its metadata are not counted); speedup_vs_baseline = baseline median / epcomm median.\n"
