@@ -1,6 +1,6 @@
-// tools/epcomm/bench.cc — `epcomm bench`: times dispatch and combine (local ranks, or one rank per MPI process
-// with the MPI_Alltoallv baseline beside) and prints one JSON object per operation, receive order and token
-// count (rank 0, stdout); progress goes to stderr; --plot draws the sweep as SVG.
+// tools/epcomm/bench.cc — `epcomm bench`: times dispatch and combine (local ranks, or one rank per MPI
+// process with the MPI_Alltoallv baseline beside) and prints one JSON object per operation, receive order and
+// token count (rank 0, stdout); progress goes to stderr; --plot draws the sweep as SVG.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -29,7 +29,8 @@ const char* kBenchEpilog =
     "Each rank holds --tokens tokens of random values; each token goes to --topk distinct experts drawn\n"
     "uniformly (weights uniform in [0.05, 1)). For each token count of --tokens (a list sweeps them, e.g.\n"
     "--tokens 256,1024,4096,16384) and each receive order (both unless --order is given) it runs --warmup\n"
-    "untimed and --iters timed iterations of dispatch followed by combine (combine feeds the dispatched rows\n"
+    "untimed and --iters timed iterations of dispatch followed by combine (combine feeds the dispatched "
+    "rows\n"
     "back as expert outputs). A bootstrap barrier precedes every timed call; an iteration's time is the\n"
     "slowest rank's. The first iteration is checked once, outside the timings, against plain code from the\n"
     "seed: every received row carries its source token (bitwise) in spec order with the right top-k ids and\n"
@@ -61,7 +62,8 @@ const char* kBenchEpilog =
     "                     row_bytes = H x elem, or with a quantizing --quant the quantized data plus scale\n"
     "                     bytes of a row: the bytes that actually moved;\n"
     "  bytes (combine)  = rows (each received row is sent back once) x H x elem.\n"
-    "  bytes_bf16_equiv = the same rows x H x 2: what they would weigh as bf16 (equals bytes for plain bf16).\n"
+    "  bytes_bf16_equiv = the same rows x H x 2: what they would weigh as bf16 (equals bytes for plain "
+    "bf16).\n"
     "  gbps = bytes / time_us_median / 1e3 (moved bytes; GB/s, 1 GB = 1e9 bytes);\n"
     "  gbps_bf16_equiv = bytes_bf16_equiv / time_us_median / 1e3 (the rate of useful bf16-valued data).\n"
     "  memcpy_gbps: every rank concurrently copies, with plain memcpy from one private pre-touched buffer\n"
@@ -105,7 +107,8 @@ const char* baseline_absent_reason(const RunOptions& ro) {
   if (ro.launcher != Launcher::mpi)
     return "baseline_gbps is null: the MPI_Alltoallv baseline needs one MPI process per rank: "
            "mpirun -n R epcomm bench --bootstrap mpi ...";
-  if (ro.quantizes()) return "baseline_gbps is null: the baseline moves plain rows; it has no quantizing --quant";
+  if (ro.quantizes())
+    return "baseline_gbps is null: the baseline moves plain rows; it has no quantizing --quant";
   return nullptr;
 }
 
@@ -176,7 +179,8 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
 
   OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
-  const std::string name = std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
+  const std::string name =
+      std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
   progress.phase(name + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
                  " timed iterations");
   for (int it = -o.warmup; it < iters; ++it) {
@@ -247,7 +251,8 @@ BaselineRun run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& b
   AlltoallvBaseline baseline(bi);
   BaselineRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
-  const std::string name = std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
+  const std::string name =
+      std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
   progress.phase(name + ": MPI_Alltoallv baseline, " + std::to_string(o.warmup) + " warmup + " +
                  std::to_string(iters) + " timed iterations");
   for (int it = -o.warmup; it < iters; ++it) {
@@ -298,9 +303,10 @@ Timing slowest_rank_timing(const std::vector<double>& all_times, int ranks, int 
 // Everything one order's JSON lines need, gathered at every rank.
 struct OrderReport {
   std::vector<double> times, baseline_times;  // all ranks, rank-major
-  std::vector<int64_t> counts;  // per rank: rows, dispatch bytes, combine bytes, ok, baseline dispatch/combine ok
-  std::vector<double> peak_rss_mb;            // per rank
-  double memcpy_gbps[2] = {0, 0};             // dispatch, combine
+  std::vector<int64_t>
+      counts;  // per rank: rows, dispatch bytes, combine bytes, ok, baseline dispatch/combine ok
+  std::vector<double> peak_rss_mb;  // per rank
+  double memcpy_gbps[2] = {0, 0};   // dispatch, combine
   bool has_baseline = false;
 };
 constexpr int kCounts = 6;
@@ -358,7 +364,8 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("gbps_bf16_equiv", tm.median > 0 ? static_cast<double>(bf16_bytes) / tm.median / 1e3 : 0.0, 3)
         .add("memcpy_gbps", memcpy_gbps, 3)
         .add("ratio_to_memcpy", gbps > 0 && memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0, 3);
-    PlotPoint pp{op == 0 ? "dispatch" : "combine", receive_order_name(order), ro.tokens, gbps, memcpy_gbps, {}};
+    PlotPoint pp{
+        op == 0 ? "dispatch" : "combine", receive_order_name(order), ro.tokens, gbps, memcpy_gbps, {}};
     if (rep.has_baseline) {
       const Timing bt = slowest_rank_timing(rep.baseline_times, R, iters, op);
       const double bgbps = bt.median > 0 ? static_cast<double>(bytes) / bt.median / 1e3 : 0.0;
@@ -404,9 +411,8 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
   rep.memcpy_gbps[1] = concurrent_memcpy_gbps(bs, run.combine_bytes, o.threads);
   rep.times = all_gather_values(bs, run.times);
   if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, base.times);
-  rep.counts = all_gather_values(
-      bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok, base.dispatch_ok,
-                               base.combine_ok});
+  rep.counts = all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes,
+                                                          run.ok, base.dispatch_ok, base.combine_ok});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{rss});
   return rep;
 }
@@ -450,8 +456,9 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   if (r == 0 && !o.plot.empty()) {
     write_bench_svg(o.plot, shape_title(o),
                     "GB/s = payload bytes / median time of the slowest rank; memcpy: every rank copies the "
-                    "same bytes at once, " + std::to_string(o.threads) + " thread(s) per rank; iters " +
-                        std::to_string(ro.iters) + ", warmup " + std::to_string(o.warmup),
+                    "same bytes at once, " +
+                        std::to_string(o.threads) + " thread(s) per rank; iters " + std::to_string(ro.iters) +
+                        ", warmup " + std::to_string(o.warmup),
                     plot);
     progress.phase("wrote " + o.plot);
   }
@@ -461,8 +468,9 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
 
 // `epcomm bench --quantizers`: quant/bench.h on this thread, one JSON line per algorithm and variant.
 int run_quantizer_bench(const FlagParser& p) {
-  for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
-                           "launcher", "timeout", "warmup", "bootstrap", "threads", "plot", "expert-alignment"})
+  for (const char* name :
+       {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes", "launcher", "timeout",
+        "warmup", "bootstrap", "threads", "plot", "expert-alignment"})
     if (p.given(name))
       throw UsageError(std::string("--quantizers: --") + name +
                        " does not apply (the quantizer benchmark reads --tokens, --hidden and --iters)");
@@ -516,7 +524,8 @@ int run_bench(int argc, char** argv) {
   p.add("bootstrap", "local|mpi", "local",
         "local: start --ranks ranks here (--launcher); mpi: this process is one rank of mpirun's world "
         "(also times the MPI_Alltoallv baseline)");
-  p.add("threads", "N", "0", "copy threads per rank: Config::num_threads of dispatch and combine, and the "
+  p.add("threads", "N", "0",
+        "copy threads per rank: Config::num_threads of dispatch and combine, and the "
         "memcpy limit's threads; 0 = the library default (hardware threads / ranks)");
   p.add("plot", "FILE.svg", "", "also draw GB/s against tokens per rank (epcomm, baseline, memcpy) as SVG");
   p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
@@ -553,9 +562,9 @@ int run_bench(int argc, char** argv) {
   const int world = bs->size(), rank = bs->rank();
   try {
     if (p.given("ranks") && p.integer("ranks", 1, 1024) != world)
-      throw UsageError(bad_value("ranks", "the MPI world size " + std::to_string(world) +
-                                              " with --bootstrap mpi (or leave it out)",
-                                 p.str("ranks")));
+      throw UsageError(bad_value(
+          "ranks", "the MPI world size " + std::to_string(world) + " with --bootstrap mpi (or leave it out)",
+          p.str("ranks")));
     o.run = read_run_flags(p, {world, true});
   } catch (const UsageError& e) {
     if (rank == 0) std::fprintf(stderr, "epcomm bench: %s\n", e.what());

@@ -1,5 +1,6 @@
 // tools/epcomm/bench_baseline.cc — the MPI_Alltoallv baseline (built only when MPI is found; otherwise
-// bench_baseline_nompi.cc). Plain user code: index lists first, then whole-row copies, one MPI call per array.
+// bench_baseline_nompi.cc). Plain user code: index lists first, then whole-row copies, one MPI call per
+// array.
 #include <mpi.h>
 
 #include <algorithm>
@@ -16,13 +17,15 @@ namespace epcomm::cli {
 namespace {
 
 void check_mpi(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) throw std::runtime_error(std::string("baseline: ") + what + " failed (MPI error " +
-                                                  std::to_string(rc) + ")");
+  if (rc != MPI_SUCCESS)
+    throw std::runtime_error(std::string("baseline: ") + what + " failed (MPI error " + std::to_string(rc) +
+                             ")");
 }
 
 // MPI counts and displacements are int: rows fit (one row type per array), checked anyway.
 int as_int(int64_t v, const char* what) {
-  if (v < 0 || v > INT32_MAX) throw std::runtime_error(std::string("baseline: ") + what + " exceeds MPI's int");
+  if (v < 0 || v > INT32_MAX)
+    throw std::runtime_error(std::string("baseline: ") + what + " exceeds MPI's int");
   return static_cast<int>(v);
 }
 
@@ -54,9 +57,9 @@ struct AlltoallvBaseline::State {
   // send_count[d * (L + 1) + j]: (token, slot) pairs for local expert j of rank d; [.. + L]: rows to d.
   std::vector<int64_t> send_count, recv_count;
   std::vector<int> sc, sd, rc, rd;  // MPI counts and displacements, in rows
-  std::vector<int64_t> send_pos;    // [T*K] (expert_major) or [T*R] (rank_major): row in the send buffer, or -1
-  std::vector<int64_t> src_row;     // [T*K] or [T*R]: which token a send row holds, by send position
-  std::vector<int64_t> list;        // aligned rows per local expert
+  std::vector<int64_t> send_pos;  // [T*K] (expert_major) or [T*R] (rank_major): row in the send buffer, or -1
+  std::vector<int64_t> src_row;   // [T*K] or [T*R]: which token a send row holds, by send position
+  std::vector<int64_t> list;      // aligned rows per local expert
   int64_t send_rows = 0, recv_rows = 0, out_rows = 0;
 
   // The dispatch send buffer doubles as combine's receive buffer and the dispatch receive buffer as
@@ -195,14 +198,14 @@ void AlltoallvBaseline::State::exchange_dispatch() {
   rx.resize(static_cast<size_t>(recv_rows * row_bytes));
   ri.resize(static_cast<size_t>(recv_rows * K));
   rw.resize(static_cast<size_t>(recv_rows * K));
-  check_mpi(MPI_Alltoallv(send_x.data(), sc.data(), sd.data(), x_type, rx.data(), rc.data(), rd.data(), x_type,
-                          MPI_COMM_WORLD),
+  check_mpi(MPI_Alltoallv(send_x.data(), sc.data(), sd.data(), x_type, rx.data(), rc.data(), rd.data(),
+                          x_type, MPI_COMM_WORLD),
             "MPI_Alltoallv of the rows");
   check_mpi(MPI_Alltoallv(send_idx.data(), sc.data(), sd.data(), idx_type, ri.data(), rc.data(), rd.data(),
                           idx_type, MPI_COMM_WORLD),
             "MPI_Alltoallv of the top-k ids");
-  check_mpi(MPI_Alltoallv(send_w.data(), sc.data(), sd.data(), w_type, rw.data(), rc.data(), rd.data(), w_type,
-                          MPI_COMM_WORLD),
+  check_mpi(MPI_Alltoallv(send_w.data(), sc.data(), sd.data(), w_type, rw.data(), rc.data(), rd.data(),
+                          w_type, MPI_COMM_WORLD),
             "MPI_Alltoallv of the top-k weights");
 }
 

@@ -1,5 +1,5 @@
-// tools/epcomm/bench_baseline_check.cc — the baseline's outputs against epcomm's, bitwise (payload bytes, ids,
-// weight bits, the aligned list; combined rows and weights), naming the first difference.
+// tools/epcomm/bench_baseline_check.cc — the baseline's outputs against epcomm's, bitwise (payload bytes,
+// ids, weight bits, the aligned list; combined rows and weights), naming the first difference.
 #include <cstring>
 #include <string>
 
@@ -13,7 +13,8 @@ namespace {
 int64_t first_difference(const void* a, const void* b, int64_t n, size_t size) {
   if (n == 0 || std::memcmp(a, b, static_cast<size_t>(n) * size) == 0) return -1;
   for (int64_t i = 0; i < n; ++i)
-    if (std::memcmp(static_cast<const char*>(a) + i * size, static_cast<const char*>(b) + i * size, size) != 0)
+    if (std::memcmp(static_cast<const char*>(a) + i * size, static_cast<const char*>(b) + i * size, size) !=
+        0)
       return i;
   return -1;
 }
@@ -33,7 +34,8 @@ std::string compare_dispatch(const AlltoallvBaseline& b, const DispatchResult& d
     return "recv_topk_idx row " + std::to_string(i) + " differs from epcomm's";
   if (int64_t i = first_difference(b.recv_topk_weights(), d.recv_topk_weights->data(), n, 4 * topk); i >= 0)
     return "recv_topk_weights row " + std::to_string(i) + " differs from epcomm's";
-  if (d.num_recv_tokens_per_expert_list && b.num_recv_tokens_per_expert_list() != *d.num_recv_tokens_per_expert_list)
+  if (d.num_recv_tokens_per_expert_list &&
+      b.num_recv_tokens_per_expert_list() != *d.num_recv_tokens_per_expert_list)
     return "num_recv_tokens_per_expert_list differs from epcomm's";
   return "";
 }
@@ -43,7 +45,8 @@ std::string compare_combine(const AlltoallvBaseline& b, const CombineResult& c, 
   if (int64_t i = first_difference(b.combined_x(), c.combined_x.data(), tokens, row); i >= 0)
     return "combined_x row " + std::to_string(i) + " differs from epcomm's";
   if (!c.combined_topk_weights) return "epcomm returned no combined_topk_weights";
-  if (int64_t i = first_difference(b.combined_topk_weights(), c.combined_topk_weights->data(), tokens, 4 * topk);
+  if (int64_t i =
+          first_difference(b.combined_topk_weights(), c.combined_topk_weights->data(), tokens, 4 * topk);
       i >= 0)
     return "combined_topk_weights row " + std::to_string(i) + " differs from epcomm's";
   return "";

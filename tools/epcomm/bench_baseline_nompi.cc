@@ -1,5 +1,6 @@
 // tools/epcomm/bench_baseline_nompi.cc — bench_baseline.h in a build without MPI (tools/epcomm/CMakeLists.txt
-// picks this file or bench_baseline.cc): no MPI bootstrap and no baseline; the bench prints its fields as null.
+// picks this file or bench_baseline.cc): no MPI bootstrap and no baseline; the bench prints its fields as
+// null.
 #include "bench_baseline.h"
 #include "flags.h"
 

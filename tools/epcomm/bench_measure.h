@@ -1,5 +1,5 @@
-// tools/epcomm/bench_measure.h — the bench's reference measurements around an operation: the concurrent memcpy
-// rate of the same per-rank byte counts, the peak resident set of a phase, and the copy-thread count.
+// tools/epcomm/bench_measure.h — the bench's reference measurements around an operation: the concurrent
+// memcpy rate of the same per-rank byte counts, the peak resident set of a phase, and the copy-thread count.
 #pragma once
 
 #include <cstdint>

@@ -14,15 +14,15 @@ namespace epcomm::cli {
 
 namespace {
 
-constexpr double kPanelW = 440, kPanelH = 300;                         // one panel, axes included
-constexpr double kLeft = 62, kRight = 18, kTop = 34, kBottom = 48;      // plot area inside a panel
-constexpr double kHeaderH = 120, kMargin = 16;                          // title, note and legend above
+constexpr double kPanelW = 440, kPanelH = 300;                      // one panel, axes included
+constexpr double kLeft = 62, kRight = 18, kTop = 34, kBottom = 48;  // plot area inside a panel
+constexpr double kHeaderH = 120, kMargin = 16;                      // title, note and legend above
 
 struct Series {
   const char* key;    // data-series
   const char* label;  // legend text
   const char* color;
-  const char* dash;   // stroke-dasharray, "" for solid
+  const char* dash;  // stroke-dasharray, "" for solid
 };
 const Series kSeries[] = {
     {"epcomm", "epcomm", "#1f5fbf", ""},
@@ -33,11 +33,16 @@ const Series kSeries[] = {
 std::string esc(const std::string& s) {
   std::string out;
   for (char c : s) {
-    if (c == '&') out += "&amp;";
-    else if (c == '<') out += "&lt;";
-    else if (c == '>') out += "&gt;";
-    else if (c == '"') out += "&quot;";
-    else out += c;
+    if (c == '&')
+      out += "&amp;";
+    else if (c == '<')
+      out += "&lt;";
+    else if (c == '>')
+      out += "&gt;";
+    else if (c == '"')
+      out += "&quot;";
+    else
+      out += c;
   }
   return out;
 }
@@ -74,7 +79,8 @@ double value_of(const PlotPoint& p, const std::string& key) {
 // One panel with its origin at (ox, oy).
 void panel(std::ostringstream& os, double ox, double oy, const std::string& name,
            std::vector<PlotPoint> pts) {
-  std::sort(pts.begin(), pts.end(), [](const PlotPoint& a, const PlotPoint& b) { return a.tokens < b.tokens; });
+  std::sort(pts.begin(), pts.end(),
+            [](const PlotPoint& a, const PlotPoint& b) { return a.tokens < b.tokens; });
   const double px = ox + kLeft, py = oy + kTop, pw = kPanelW - kLeft - kRight, ph = kPanelH - kTop - kBottom;
   double lo = INFINITY, hi = -INFINITY, ymax = 0;
   for (const PlotPoint& p : pts) {
@@ -93,32 +99,36 @@ void panel(std::ostringstream& os, double ox, double oy, const std::string& name
   os << "<g class=\"panel\" data-panel=\"" << esc(name) << "\">\n";
   os << "<text x=\"" << num(px + pw / 2) << "\" y=\"" << num(oy + 20)
      << "\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">" << esc(name) << "</text>\n";
-  os << "<rect x=\"" << num(px) << "\" y=\"" << num(py) << "\" width=\"" << num(pw) << "\" height=\"" << num(ph)
-     << "\" fill=\"#fbfbfb\" stroke=\"#444\" stroke-width=\"1\"/>\n";
+  os << "<rect x=\"" << num(px) << "\" y=\"" << num(py) << "\" width=\"" << num(pw) << "\" height=\""
+     << num(ph) << "\" fill=\"#fbfbfb\" stroke=\"#444\" stroke-width=\"1\"/>\n";
   // y ticks and grid
   for (double v = 0; v <= ytop + step / 2; v += step) {
     const double y = Y(v);
-    os << "<line x1=\"" << num(px) << "\" y1=\"" << num(y) << "\" x2=\"" << num(px + pw) << "\" y2=\"" << num(y)
-       << "\" stroke=\"#e2e2e2\"/>\n";
-    os << "<line x1=\"" << num(px - 5) << "\" y1=\"" << num(y) << "\" x2=\"" << num(px) << "\" y2=\"" << num(y)
-       << "\" stroke=\"#444\"/>\n";
+    os << "<line x1=\"" << num(px) << "\" y1=\"" << num(y) << "\" x2=\"" << num(px + pw) << "\" y2=\""
+       << num(y) << "\" stroke=\"#e2e2e2\"/>\n";
+    os << "<line x1=\"" << num(px - 5) << "\" y1=\"" << num(y) << "\" x2=\"" << num(px) << "\" y2=\""
+       << num(y) << "\" stroke=\"#444\"/>\n";
     os << "<text x=\"" << num(px - 8) << "\" y=\"" << num(y + 4) << "\" text-anchor=\"end\" font-size=\"11\">"
-       << num(v, step < 1 ? 2 : step < 10 ? 1 : 0) << "</text>\n";
+       << num(v, step < 1    ? 2
+                 : step < 10 ? 1
+                             : 0)
+       << "</text>\n";
   }
   // x ticks at powers of two (every other one when there are many)
   const int every = hi - lo > 10 ? 2 : 1;
   for (int e = static_cast<int>(lo); e <= static_cast<int>(hi); e += every) {
     const double x = X(std::ldexp(1.0, e));
-    os << "<line x1=\"" << num(x) << "\" y1=\"" << num(py) << "\" x2=\"" << num(x) << "\" y2=\"" << num(py + ph)
-       << "\" stroke=\"#ececec\"/>\n";
+    os << "<line x1=\"" << num(x) << "\" y1=\"" << num(py) << "\" x2=\"" << num(x) << "\" y2=\""
+       << num(py + ph) << "\" stroke=\"#ececec\"/>\n";
     os << "<line x1=\"" << num(x) << "\" y1=\"" << num(py + ph) << "\" x2=\"" << num(x) << "\" y2=\""
        << num(py + ph + 5) << "\" stroke=\"#444\"/>\n";
-    os << "<text x=\"" << num(x) << "\" y=\"" << num(py + ph + 18) << "\" text-anchor=\"middle\" font-size=\"11\">"
-       << tokens_label(std::ldexp(1.0, e)) << "</text>\n";
+    os << "<text x=\"" << num(x) << "\" y=\"" << num(py + ph + 18)
+       << "\" text-anchor=\"middle\" font-size=\"11\">" << tokens_label(std::ldexp(1.0, e)) << "</text>\n";
   }
   os << "<text x=\"" << num(px + pw / 2) << "\" y=\"" << num(py + ph + 38)
      << "\" text-anchor=\"middle\" font-size=\"12\">tokens per rank (log2 scale)</text>\n";
-  os << "<text x=\"" << num(ox + 16) << "\" y=\"" << num(py + ph / 2) << "\" text-anchor=\"middle\" font-size=\"12\""
+  os << "<text x=\"" << num(ox + 16) << "\" y=\"" << num(py + ph / 2)
+     << "\" text-anchor=\"middle\" font-size=\"12\""
      << " transform=\"rotate(-90 " << num(ox + 16) << " " << num(py + ph / 2) << ")\">GB/s</text>\n";
   // series: a polyline through the measured points, a marker with a tooltip on each
   for (const Series& s : kSeries) {
@@ -138,8 +148,8 @@ void panel(std::ostringstream& os, double ox, double oy, const std::string& name
     if (!line.empty()) {
       line.pop_back();
       os << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"2\""
-         << (*s.dash ? std::string(" stroke-dasharray=\"") + s.dash + "\"" : std::string()) << " points=\"" << line
-         << "\"/>\n";
+         << (*s.dash ? std::string(" stroke-dasharray=\"") + s.dash + "\"" : std::string()) << " points=\""
+         << line << "\"/>\n";
     }
     os << marks.str() << "</g>\n";
   }
@@ -148,7 +158,8 @@ void panel(std::ostringstream& os, double ox, double oy, const std::string& name
 
 }  // namespace
 
-std::string bench_svg(const std::string& title, const std::string& note, const std::vector<PlotPoint>& points) {
+std::string bench_svg(const std::string& title, const std::string& note,
+                      const std::vector<PlotPoint>& points) {
   // Panels: rows by op, columns by order, in a fixed order; only the combinations present.
   const std::vector<std::string> ops = {"dispatch", "combine"}, orders = {"expert_major", "rank_major"};
   std::vector<std::string> col_orders, row_ops;
@@ -161,18 +172,19 @@ std::string bench_svg(const std::string& title, const std::string& note, const s
   const size_t cols = std::max<size_t>(1, col_orders.size()), rows = std::max<size_t>(1, row_ops.size());
   const double width = std::max(780.0, 2 * kMargin + kPanelW * static_cast<double>(cols));
   const double height = kHeaderH + kMargin + kPanelH * static_cast<double>(rows);
-  const bool any_baseline =
-      std::any_of(points.begin(), points.end(), [](const PlotPoint& p) { return p.baseline_gbps.has_value(); });
+  const bool any_baseline = std::any_of(points.begin(), points.end(),
+                                        [](const PlotPoint& p) { return p.baseline_gbps.has_value(); });
 
   std::ostringstream os;
   os << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-     << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << num(width, 0) << "\" height=\"" << num(height, 0)
-     << "\" viewBox=\"0 0 " << num(width, 0) << " " << num(height, 0)
+     << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << num(width, 0) << "\" height=\""
+     << num(height, 0) << "\" viewBox=\"0 0 " << num(width, 0) << " " << num(height, 0)
      << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n";
   os << "<title>" << esc(title) << "</title>\n";
   os << "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n";
-  os << "<text x=\"" << num(width / 2) << "\" y=\"26\" text-anchor=\"middle\" font-size=\"17\" font-weight=\"bold\">"
-     << esc(title) << "</text>\n";
+  os << "<text x=\"" << num(width / 2)
+     << "\" y=\"26\" text-anchor=\"middle\" font-size=\"17\" font-weight=\"bold\">" << esc(title)
+     << "</text>\n";
   os << "<text x=\"" << num(width / 2) << "\" y=\"46\" text-anchor=\"middle\" font-size=\"11\" fill=\"#444\">"
      << esc(note) << "</text>\n";
   // legend: one entry per line
@@ -183,10 +195,10 @@ std::string bench_svg(const std::string& title, const std::string& note, const s
     if (std::string(s.key) == "baseline" && !any_baseline)
       label += ": not measured (run under mpirun with --bootstrap mpi)";
     const double lx = kMargin + kLeft;
-    os << "<line x1=\"" << num(lx) << "\" y1=\"" << num(ly) << "\" x2=\"" << num(lx + 26) << "\" y2=\"" << num(ly)
-       << "\" stroke=\"" << s.color << "\" stroke-width=\"2\""
-       << (*s.dash ? std::string(" stroke-dasharray=\"") + s.dash + "\"" : std::string()) << "/>\n<circle cx=\""
-       << num(lx + 13) << "\" cy=\"" << num(ly) << "\" r=\"3.5\" fill=\""
+    os << "<line x1=\"" << num(lx) << "\" y1=\"" << num(ly) << "\" x2=\"" << num(lx + 26) << "\" y2=\""
+       << num(ly) << "\" stroke=\"" << s.color << "\" stroke-width=\"2\""
+       << (*s.dash ? std::string(" stroke-dasharray=\"") + s.dash + "\"" : std::string())
+       << "/>\n<circle cx=\"" << num(lx + 13) << "\" cy=\"" << num(ly) << "\" r=\"3.5\" fill=\""
        << (std::string(s.key) == "memcpy" ? "#fff" : s.color) << "\" stroke=\"" << s.color << "\"/>\n";
     os << "<text x=\"" << num(lx + 34) << "\" y=\"" << num(ly + 4) << "\" font-size=\"12\">" << esc(label)
        << "</text>\n";

@@ -1,5 +1,6 @@
-// tools/epcomm/bench_plot.h — `epcomm bench --plot FILE.svg`: GB/s against tokens per rank for epcomm, the MPI
-// baseline and the memcpy limit, one panel per operation and receive order, as one self-contained SVG file.
+// tools/epcomm/bench_plot.h — `epcomm bench --plot FILE.svg`: GB/s against tokens per rank for epcomm, the
+// MPI baseline and the memcpy limit, one panel per operation and receive order, as one self-contained SVG
+// file.
 #pragma once
 
 #include <optional>
@@ -21,7 +22,8 @@ struct PlotPoint {
 // and one polyline with markers per series (groups with class "series" and data-series="epcomm",
 // "baseline" or "memcpy"). Points with tokens = 0 are left out (no place on a log axis). `note` is a smaller
 // line under the title (how the numbers were made).
-std::string bench_svg(const std::string& title, const std::string& note, const std::vector<PlotPoint>& points);
+std::string bench_svg(const std::string& title, const std::string& note,
+                      const std::vector<PlotPoint>& points);
 
 // Writes bench_svg(...) to `path`; throws std::runtime_error naming the path when it cannot.
 void write_bench_svg(const std::string& path, const std::string& title, const std::string& note,

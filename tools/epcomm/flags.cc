@@ -88,8 +88,8 @@ int64_t FlagParser::integer(const std::string& name, int64_t min, int64_t max) c
 
 std::vector<int64_t> FlagParser::integer_list(const std::string& name, int64_t min, int64_t max) const {
   const std::string text = str(name);
-  const std::string expected = "a comma-separated list of integers in [" + std::to_string(min) + ", " +
-                               std::to_string(max) + "]";
+  const std::string expected =
+      "a comma-separated list of integers in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
   std::vector<int64_t> out;
   std::stringstream ss(text);
   std::string item;

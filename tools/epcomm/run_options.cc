@@ -114,7 +114,8 @@ int run_this_rank(const std::string& command, std::unique_ptr<Bootstrap> bootstr
     return body(std::move(bootstrap));
   } catch (const Error& e) {
     const bool usage = e.code() == ErrorCode::InvalidUsage;
-    if (!usage || rank == 0) std::fprintf(stderr, "%s: error (rank %d): %s\n", command.c_str(), rank, e.what());
+    if (!usage || rank == 0)
+      std::fprintf(stderr, "%s: error (rank %d): %s\n", command.c_str(), rank, e.what());
     return usage ? kExitUsage : kExitFail;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: error (rank %d): %s\n", command.c_str(), rank, e.what());

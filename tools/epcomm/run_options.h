@@ -33,7 +33,7 @@ struct RunOptions {
   int64_t num_nvl_bytes = 0;       // 0: the library default (64 MiB)
   Launcher launcher = Launcher::fork;
   std::optional<double> timeout_s;  // none: EPCOMM_TIMEOUT_S, else 100
-  int64_t expert_alignment = 1;      // DispatchArgs::expert_alignment (bench --expert-alignment)
+  int64_t expert_alignment = 1;     // DispatchArgs::expert_alignment (bench --expert-alignment)
   bool quiet = false;
 
   int local_experts() const { return experts / ranks; }
