@@ -103,6 +103,10 @@ struct BenchOptions {
 
 // The baseline exists for plain rows under MPI; the reason it is null otherwise.
 const char* baseline_absent_reason(const RunOptions& ro) {
+  if (!have_mpi())
+    return "baseline_gbps is null: the MPI_Alltoallv baseline needs a build with MPI (this one found none; "
+           "install Open MPI, e.g. libopenmpi-dev openmpi-bin, reconfigure, then run it under mpirun with "
+           "--bootstrap mpi)";
   if (ro.launcher != Launcher::mpi)
     return "baseline_gbps is null: the MPI_Alltoallv baseline needs one MPI process per rank: "
            "mpirun -n R epcomm bench --bootstrap mpi ...";
