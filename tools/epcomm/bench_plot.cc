@@ -17,6 +17,7 @@ namespace {
 constexpr double kPanelW = 440, kPanelH = 300;                      // one panel, axes included
 constexpr double kLeft = 62, kRight = 18, kTop = 34, kBottom = 48;  // plot area inside a panel
 constexpr double kHeaderH = 120, kMargin = 16;                      // title, note and legend above
+constexpr double kNoteCharW = 6.2, kNoteLineH = 14;                 // the note's 11 px text, wrapped
 
 struct Series {
   const char* key;    // data-series
@@ -74,6 +75,19 @@ double value_of(const PlotPoint& p, const std::string& key) {
   if (key == "epcomm") return p.gbps;
   if (key == "memcpy") return p.memcpy_gbps;
   return p.baseline_gbps ? *p.baseline_gbps : NAN;
+}
+
+// Words of `text` in lines of at most `width` characters (a longer word gets a line of its own); at least
+// one.
+std::vector<std::string> wrap(const std::string& text, size_t width) {
+  std::vector<std::string> lines(1);
+  std::istringstream words(text);
+  std::string w;
+  while (words >> w) {
+    if (!lines.back().empty() && lines.back().size() + 1 + w.size() > width) lines.emplace_back();
+    lines.back() += (lines.back().empty() ? "" : " ") + w;
+  }
+  return lines;
 }
 
 // One panel with its origin at (ox, oy).
@@ -171,7 +185,11 @@ std::string bench_svg(const std::string& title, const std::string& note,
       row_ops.push_back(o);
   const size_t cols = std::max<size_t>(1, col_orders.size()), rows = std::max<size_t>(1, row_ops.size());
   const double width = std::max(780.0, 2 * kMargin + kPanelW * static_cast<double>(cols));
-  const double height = kHeaderH + kMargin + kPanelH * static_cast<double>(rows);
+  const std::vector<std::string> note_lines =
+      wrap(note, static_cast<size_t>((width - 2 * kMargin) / kNoteCharW));
+  const double extra = kNoteLineH * static_cast<double>(note_lines.size() - 1);  // lines beyond the first
+  const double header = kHeaderH + extra;
+  const double height = header + kMargin + kPanelH * static_cast<double>(rows);
   const bool any_baseline = std::any_of(points.begin(), points.end(),
                                         [](const PlotPoint& p) { return p.baseline_gbps.has_value(); });
 
@@ -185,10 +203,11 @@ std::string bench_svg(const std::string& title, const std::string& note,
   os << "<text x=\"" << num(width / 2)
      << "\" y=\"26\" text-anchor=\"middle\" font-size=\"17\" font-weight=\"bold\">" << esc(title)
      << "</text>\n";
-  os << "<text x=\"" << num(width / 2) << "\" y=\"46\" text-anchor=\"middle\" font-size=\"11\" fill=\"#444\">"
-     << esc(note) << "</text>\n";
+  for (size_t i = 0; i < note_lines.size(); ++i)
+    os << "<text x=\"" << num(width / 2) << "\" y=\"" << num(46 + kNoteLineH * static_cast<double>(i))
+       << "\" text-anchor=\"middle\" font-size=\"11\" fill=\"#444\">" << esc(note_lines[i]) << "</text>\n";
   // legend: one entry per line
-  double ly = 66;
+  double ly = 66 + extra;
   os << "<g class=\"legend\">\n";
   for (const Series& s : kSeries) {
     std::string label = s.label;
@@ -211,7 +230,7 @@ std::string bench_svg(const std::string& title, const std::string& note,
       for (const PlotPoint& p : points)
         if (p.op == row_ops[r] && p.order == col_orders[c] && p.tokens > 0) pts.push_back(p);
       if (pts.empty()) continue;
-      panel(os, kMargin + kPanelW * static_cast<double>(c), kHeaderH + kPanelH * static_cast<double>(r),
+      panel(os, kMargin + kPanelW * static_cast<double>(c), header + kPanelH * static_cast<double>(r),
             row_ops[r] + ", " + col_orders[c], pts);
     }
   os << "</svg>\n";
