@@ -40,8 +40,10 @@ const char* kBenchEpilog =
     "one rank per MPI process (--ranks is the world size; this also measures the baseline):\n"
     "  mpirun -n 2 epcomm bench --bootstrap mpi\n"
     "  (as root: mpirun --allow-run-as-root -n 2 ...; ranks must share one host.)\n\n"
-    "Baseline (--bootstrap mpi only): the same operation as written without epcomm, on the same inputs and\n"
-    "with the same barriers and iterations. dispatch: MPI_Alltoall of the counts per (rank, expert); pack\n"
+    "Baseline (--bootstrap mpi only): the same operation as written without epcomm, on the same inputs,\n"
+    "interleaved: each iteration times epcomm's dispatch and combine, then the baseline's (a barrier before\n"
+    "each), so both meet the same moments of a busy machine. dispatch: MPI_Alltoall of the counts per (rank, "
+    "expert); pack\n"
     "rows and their top-k ids and weights per destination (expert_major: one row per (token, slot), by\n"
     "local expert, token, slot; rank_major: one row per (token, destination rank), by token);\n"
     "MPI_Alltoallv of rows, ids and weights; unpack into epcomm's receive order (expert_major: blocks per\n"
@@ -75,10 +77,11 @@ const char* kBenchEpilog =
     "  baseline_gbps = the same bytes / the baseline's median time (its extra pack and unpack copies and\n"
     "    its metadata are not counted); speedup_vs_baseline = baseline median / epcomm median.\n"
     "  threads: copy threads per rank (--threads, or what 0 stands for: hardware threads / ranks).\n"
-    "  peak_rss_mb: the largest, over ranks, peak resident set of a rank's process while epcomm ran this\n"
-    "    order and token count (VmHWM reset before it; the baseline's and memcpy's buffers come later and\n"
-    "    do not count; where the reset is refused, since the process started); peak_rss_mb_per_rank lists\n"
-    "    each rank's (with --launcher threads every rank reports the whole process). MiB.\n\n"
+    "  peak_rss_mb: the largest, over ranks, peak resident set of a rank's process through epcomm's first\n"
+    "    iteration of this order and token count (VmHWM reset before it and read after it, before the\n"
+    "    baseline's and memcpy's buffers exist; where the reset is refused, since the process started);\n"
+    "    peak_rss_mb_per_rank lists each rank's (with --launcher threads every rank reports the whole\n"
+    "    process). MiB.\n\n"
     "--plot FILE.svg: after the run, one SVG file: GB/s against tokens per rank (log2 axis) for epcomm,\n"
     "the baseline and memcpy_gbps, one panel per operation and order. Sweep --tokens to make it a curve.\n\n"
     "--quantizers: instead of dispatch and combine, the single-thread throughput of every block quantizer\n"
@@ -152,19 +155,16 @@ Inputs make_inputs(const RunOptions& ro, int r, Buffer& buffer) {
   return in;
 }
 
-// What one rank measured for one order.
+// What one rank measured for one order: epcomm and, under MPI, the baseline, iteration by iteration.
 struct OrderRun {
-  std::vector<double> times;  // dispatch [iters], then combine [iters]
+  std::vector<double> times, baseline_times;  // dispatch [iters], then combine [iters]
   int64_t rows = 0, dispatch_bytes = 0, combine_bytes = 0;
-  int64_t ok = 1;
-  std::optional<DispatchResult> last_dispatch;  // the last iteration's results, for the baseline's check
-  std::optional<CombineResult> last_combine;
+  int64_t ok = 1, baseline_dispatch_ok = 1, baseline_combine_ok = 1;
+  double peak_rss_mb = 0;  // after epcomm's first iteration, before the baseline's buffers exist
 };
 
-OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs, const Inputs& in,
-                   Progress& progress) {
-  const RunOptions& ro = o.run;
-  const int r = bs.rank(), iters = ro.iters;
+DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Inputs& in,
+                           const std::optional<Config>& config) {
   DispatchArgs da;
   da.x.data = in.x_t;
   da.topk_idx = in.ids_t;
@@ -175,71 +175,12 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   da.quant_mode = ro.quant;
   da.receive_order = order;
   da.expert_alignment = ro.expert_alignment;
-  std::optional<Config> config;
-  if (o.threads_flag > 0) {
-    config = Buffer::get_dispatch_config(ro.ranks);
-    config->num_threads = o.threads_flag;
-  }
   da.config = config;
-
-  OrderRun run;
-  run.times.assign(static_cast<size_t>(2 * iters), 0.0);
-  const std::string name =
-      std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
-  progress.phase(name + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
-                 " timed iterations");
-  for (int it = -o.warmup; it < iters; ++it) {
-    run.last_dispatch.reset();
-    run.last_combine.reset();
-    bs.barrier();
-    double t0 = now_s();
-    DispatchResult d = buffer.dispatch(da);
-    const double td = now_s() - t0;
-    CombineArgs ca;
-    ca.x = combine_input(ro, d);
-    ca.handle = d.handle;
-    ca.config = config;
-    if (order == ReceiveOrder::rank_major) ca.topk_weights = d.recv_topk_weights;
-    bs.barrier();
-    t0 = now_s();
-    CombineResult c = buffer.combine(ca);
-    const double tc = now_s() - t0;
-    if (it >= 0) {
-      run.times[it] = td;
-      run.times[iters + it] = tc;
-    }
-    if (it == -o.warmup) {  // the first iteration: checked once, outside the timings
-      progress.phase(name + ": verifying the first iteration");
-      std::string why = verify_dispatch(ro, order, r, d);
-      if (why.empty()) why = verify_combine(ro, order, r, in.x, in.routing, c);
-      if (!why.empty()) {
-        std::fprintf(stderr, "epcomm bench: %s: verification failed on rank %d: %s\n", name.c_str(), r,
-                     why.c_str());
-        run.ok = 0;
-      }
-      run.rows = 0;  // rows that moved: PAD rows (--expert-alignment) excluded
-      for (int64_t n : d.handle->num_recv_rows_per_source()) run.rows += n;
-      run.dispatch_bytes = run.rows * ro.dispatch_row_bytes();
-      run.combine_bytes = run.rows * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
-      if (o.warmup > 0) progress.phase(name + ": timing");
-    }
-    run.last_dispatch = std::move(d);
-    run.last_combine = std::move(c);
-  }
-  return run;
+  return da;
 }
 
-// The MPI_Alltoallv baseline on the same inputs, same barriers and iteration counts; its first iteration is
-// compared bitwise with epcomm's results.
-struct BaselineRun {
-  std::vector<double> times;  // dispatch [iters], then combine [iters]
-  int64_t dispatch_ok = 1, combine_ok = 1;
-};
-
-BaselineRun run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& bs, const Inputs& in,
-                         const OrderRun& ref, Progress& progress) {
-  const RunOptions& ro = o.run;
-  const int iters = ro.iters;
+std::unique_ptr<AlltoallvBaseline> make_baseline(const RunOptions& ro, ReceiveOrder order, Bootstrap& bs,
+                                                 const Inputs& in) {
   BaselineInputs bi;
   bi.rank = bs.rank();
   bi.ranks = bs.size();
@@ -253,37 +194,105 @@ BaselineRun run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& b
   bi.x = in.x.data();
   bi.ids = in.routing.ids.data();
   bi.weights = in.routing.weights.data();
-  AlltoallvBaseline baseline(bi);
-  BaselineRun run;
+  return std::make_unique<AlltoallvBaseline>(bi);
+}
+
+// Checks epcomm's first iteration against the seed and records its row and byte counts.
+void check_first(const RunOptions& ro, ReceiveOrder order, int r, const std::string& name, const Inputs& in,
+                 const DispatchResult& d, const CombineResult& c, OrderRun& run) {
+  std::string why = verify_dispatch(ro, order, r, d);
+  if (why.empty()) why = verify_combine(ro, order, r, in.x, in.routing, c);
+  if (!why.empty()) {
+    std::fprintf(stderr, "epcomm bench: %s: verification failed on rank %d: %s\n", name.c_str(), r,
+                 why.c_str());
+    run.ok = 0;
+  }
+  run.rows = 0;  // rows that moved: PAD rows (--expert-alignment) excluded
+  for (int64_t n : d.handle->num_recv_rows_per_source()) run.rows += n;
+  run.dispatch_bytes = run.rows * ro.dispatch_row_bytes();
+  run.combine_bytes = run.rows * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
+}
+
+// Compares the baseline's first iteration with epcomm's, bitwise.
+void check_baseline(const RunOptions& ro, int r, const std::string& name, const AlltoallvBaseline& b,
+                    const DispatchResult& d, const CombineResult& c, OrderRun& run) {
+  const std::string whys[2] = {compare_dispatch(b, d, ro.hidden, ro.topk),
+                               compare_combine(b, c, ro.tokens, ro.topk)};
+  for (const std::string& why : whys)
+    if (!why.empty())
+      std::fprintf(stderr, "epcomm bench: %s: the baseline differs from epcomm on rank %d: %s\n",
+                   name.c_str(), r, why.c_str());
+  run.baseline_dispatch_ok = whys[0].empty();
+  run.baseline_combine_ok = whys[1].empty();
+}
+
+// --warmup + --iters iterations; each times epcomm's dispatch and combine, then (with_baseline) the
+// baseline's, so both see the same moments of a noisy machine. A barrier precedes every timed call.
+OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs, const Inputs& in,
+                   bool with_baseline, Progress& progress) {
+  const RunOptions& ro = o.run;
+  const int r = bs.rank(), iters = ro.iters;
+  std::optional<Config> config;
+  if (o.threads_flag > 0) {
+    config = Buffer::get_dispatch_config(ro.ranks);
+    config->num_threads = o.threads_flag;
+  }
+  const DispatchArgs da = dispatch_args(ro, order, in, config);
+  std::unique_ptr<AlltoallvBaseline> baseline = with_baseline ? make_baseline(ro, order, bs, in) : nullptr;
+
+  OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
+  run.baseline_times = run.times;
   const std::string name =
       std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
-  progress.phase(name + ": MPI_Alltoallv baseline, " + std::to_string(o.warmup) + " warmup + " +
-                 std::to_string(iters) + " timed iterations");
+  progress.phase(name + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
+                 " timed iterations" +
+                 (with_baseline ? ", each epcomm then the MPI_Alltoallv baseline" : ""));
   for (int it = -o.warmup; it < iters; ++it) {
+    const bool first = it == -o.warmup;
     bs.barrier();
     double t0 = now_s();
-    baseline.dispatch();
+    std::optional<DispatchResult> d = buffer.dispatch(da);
     const double td = now_s() - t0;
+    CombineArgs ca;
+    ca.x = combine_input(ro, *d);
+    ca.handle = d->handle;
+    ca.config = config;
+    if (order == ReceiveOrder::rank_major) ca.topk_weights = d->recv_topk_weights;
     bs.barrier();
     t0 = now_s();
-    baseline.combine(baseline.recv_x(),
-                     order == ReceiveOrder::rank_major ? baseline.recv_topk_weights() : nullptr);
+    std::optional<CombineResult> c = buffer.combine(ca);
     const double tc = now_s() - t0;
+    ca = CombineArgs();
     if (it >= 0) {
       run.times[it] = td;
       run.times[iters + it] = tc;
     }
-    if (it == -o.warmup) {
-      const std::string whys[2] = {compare_dispatch(baseline, *ref.last_dispatch, ro.hidden, ro.topk),
-                                   compare_combine(baseline, *ref.last_combine, ro.tokens, ro.topk)};
-      for (const std::string& why : whys)
-        if (!why.empty())
-          std::fprintf(stderr, "epcomm bench: %s: the baseline differs from epcomm on rank %d: %s\n",
-                       name.c_str(), bs.rank(), why.c_str());
-      run.dispatch_ok = whys[0].empty();
-      run.combine_ok = whys[1].empty();
+    if (first) {  // checked once, outside the timings
+      progress.phase(name + ": verifying the first iteration");
+      check_first(ro, order, r, name, in, *d, *c, run);
+      run.peak_rss_mb = peak_rss_mb();
+    } else {  // later iterations free epcomm's results before the baseline runs
+      d.reset();
+      c.reset();
     }
+    if (baseline) {
+      bs.barrier();
+      t0 = now_s();
+      baseline->dispatch();
+      const double bd = now_s() - t0;
+      bs.barrier();
+      t0 = now_s();
+      baseline->combine(baseline->recv_x(),
+                        order == ReceiveOrder::rank_major ? baseline->recv_topk_weights() : nullptr);
+      const double bc = now_s() - t0;
+      if (it >= 0) {
+        run.baseline_times[it] = bd;
+        run.baseline_times[iters + it] = bc;
+      }
+      if (first) check_baseline(ro, r, name, *baseline, *d, *c, run);
+    }
+    if (first && o.warmup > 0) progress.phase(name + ": timing");
   }
   return run;
 }
@@ -395,30 +404,27 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   std::fflush(stdout);
 }
 
-// One order at one token count: epcomm (its peak RSS window), then the baseline, then the memcpy limit.
+// One order at one token count: epcomm interleaved with the baseline, then the memcpy limit of the same
+// bytes.
 OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs,
                           const Inputs& in, Progress& progress) {
   const RunOptions& ro = o.run;
   OrderReport rep;
+  rep.has_baseline = baseline_absent_reason(ro) == nullptr;
   bs.barrier();
   reset_peak_rss();
   bs.barrier();
-  OrderRun run = run_order(o, order, buffer, bs, in, progress);
-  const double rss = peak_rss_mb();
-  rep.has_baseline = baseline_absent_reason(ro) == nullptr;
-  BaselineRun base;
-  if (rep.has_baseline) base = run_baseline(o, order, bs, in, run, progress);
-  run.last_dispatch.reset();  // before the memcpy buffers: no more memory than needed at once
-  run.last_combine.reset();
+  const OrderRun run = run_order(o, order, buffer, bs, in, rep.has_baseline, progress);
   progress.phase(std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) +
                  " tokens: memcpy of the same byte counts");
   rep.memcpy_gbps[0] = concurrent_memcpy_gbps(bs, run.dispatch_bytes, o.threads);
   rep.memcpy_gbps[1] = concurrent_memcpy_gbps(bs, run.combine_bytes, o.threads);
   rep.times = all_gather_values(bs, run.times);
-  if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, base.times);
-  rep.counts = all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes,
-                                                          run.ok, base.dispatch_ok, base.combine_ok});
-  rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{rss});
+  if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, run.baseline_times);
+  rep.counts =
+      all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
+                                                 run.baseline_dispatch_ok, run.baseline_combine_ok});
+  rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
   return rep;
 }
 
