@@ -1,13 +1,17 @@
-// tools/epcomm/bench.cc — `epcomm bench`: times dispatch and combine over local ranks and prints one JSON
-// object per operation and receive order (rank 0, stdout); progress goes to stderr.
-#include <sys/resource.h>
-
+// tools/epcomm/bench.cc — `epcomm bench`: times dispatch and combine (local ranks, or one rank per MPI
+// process with the MPI_Alltoallv baseline beside) and prints one JSON object per operation, receive order and
+// token count (rank 0, stdout); progress goes to stderr; --plot draws the sweep as SVG.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "bench_baseline.h"
+#include "bench_measure.h"
+#include "bench_plot.h"
 #include "bench_verify.h"
 #include "epcomm/buffer.h"
 #include "numerics.h"
@@ -23,35 +27,63 @@ namespace {
 
 const char* kBenchEpilog =
     "Each rank holds --tokens tokens of random values; each token goes to --topk distinct experts drawn\n"
-    "uniformly (weights uniform in [0.05, 1)). For each receive order (both unless --order is given) it "
-    "runs\n"
-    "--warmup untimed and --iters timed iterations of dispatch followed by combine (combine feeds the\n"
-    "dispatched rows back as expert outputs). A bootstrap barrier precedes every timed call; an iteration's\n"
-    "time is the slowest rank's. The first iteration is checked once, outside the timings, against plain\n"
-    "code from the seed: every received row carries its source token (bitwise) in spec order with the right\n"
-    "top-k ids and weights, and combine returns round(sum_k w_k x) (expert_major) or round(n_ranks x)\n"
-    "(rank_major) within 2u|expected| and the original weights bitwise.\n\n"
-    "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts, dtype, "
-    "quant,\n"
-    "launcher, iters, warmup, rows, row_bytes, bytes, bytes_bf16_equiv, time_us_median, time_us_min,\n"
-    "time_us_p99, time_us_max, gbps, gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes, "
-    "peak_rss_mb.\n\n"
-    "Byte formula (aggregate over all ranks, payload only, no per-row metadata):\n"
-    "  bytes (dispatch) = sum over ranks of received rows (including rows from the rank itself) x "
-    "row_bytes,\n"
+    "uniformly (weights uniform in [0.05, 1)). For each token count of --tokens (a list sweeps them, e.g.\n"
+    "--tokens 256,1024,4096,16384) and each receive order (both unless --order is given) it runs --warmup\n"
+    "untimed and --iters timed iterations of dispatch followed by combine (combine feeds the dispatched "
+    "rows\n"
+    "back as expert outputs). A bootstrap barrier precedes every timed call; an iteration's time is the\n"
+    "slowest rank's. The first iteration is checked once, outside the timings, against plain code from the\n"
+    "seed: every received row carries its source token (bitwise) in spec order with the right top-k ids and\n"
+    "weights, and combine returns round(sum_k w_k x) (expert_major) or round(n_ranks x) (rank_major) within\n"
+    "2u|expected| and the original weights bitwise.\n\n"
+    "Ranks: --bootstrap local (default) starts --ranks ranks itself (--launcher fork|threads). Under MPI,\n"
+    "one rank per MPI process (--ranks is the world size; this also measures the baseline):\n"
+    "  mpirun -n 2 epcomm bench --bootstrap mpi\n"
+    "  (as root: mpirun --allow-run-as-root -n 2 ...; ranks must share one host.)\n\n"
+    "Baseline (--bootstrap mpi only): the same operation as written without epcomm, on the same inputs,\n"
+    "interleaved: each iteration times epcomm's dispatch and combine, then the baseline's (a barrier before\n"
+    "each), so both meet the same moments of a busy machine. dispatch: MPI_Alltoall of the counts per (rank, "
+    "expert); pack\n"
+    "rows and their top-k ids and weights per destination (expert_major: one row per (token, slot), by\n"
+    "local expert, token, slot; rank_major: one row per (token, destination rank), by token);\n"
+    "MPI_Alltoallv of rows, ids and weights; unpack into epcomm's receive order (expert_major: blocks per\n"
+    "local expert, sources in rank order, PAD rows to the alignment; rank_major lands in order). combine:\n"
+    "pack per source, MPI_Alltoallv back (rank_major also the weights), then spec §5.1's fp32 reduction\n"
+    "in canonical order (slot k, or destination rank), one rounding. Its first iteration must equal\n"
+    "epcomm's outputs bitwise (baseline_verified). Its packing, unpacking and reduction run on the\n"
+    "calling thread of each rank, whatever --threads says. Open MPI picks its transports (on one host: "
+    "shared\n"
+    "memory). Without MPI (--bootstrap local, or a quantizing --quant) the baseline fields are null.\n\n"
+    "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts,\n"
+    "expert_alignment, dtype, quant, launcher (fork|threads|mpi), threads, iters, warmup, rows, row_bytes,\n"
+    "bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
+    "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
+    "speedup_vs_baseline, baseline_verified, verified, segment_bytes, peak_rss_mb, peak_rss_mb_per_rank.\n\n"
+    "Byte formulas (aggregate over all ranks, payload only, no per-row metadata):\n"
+    "  rows = rows received by all ranks, including each rank's rows from itself, PAD rows excluded;\n"
+    "  bytes (dispatch) = rows x row_bytes,\n"
     "                     row_bytes = H x elem, or with a quantizing --quant the quantized data plus scale\n"
     "                     bytes of a row: the bytes that actually moved;\n"
-    "  bytes (combine)  = sum over ranks of rows sent back (one per received row) x H x elem.\n"
+    "  bytes (combine)  = rows (each received row is sent back once) x H x elem.\n"
     "  bytes_bf16_equiv = the same rows x H x 2: what they would weigh as bf16 (equals bytes for plain "
     "bf16).\n"
     "  gbps = bytes / time_us_median / 1e3 (moved bytes; GB/s, 1 GB = 1e9 bytes);\n"
     "  gbps_bf16_equiv = bytes_bf16_equiv / time_us_median / 1e3 (the rate of useful bf16-valued data).\n"
-    "  memcpy_gbps: every rank memcpy's its own tokens (T x H x elem, at least 32 MiB) at the same time\n"
-    "  into pre-touched memory; aggregate bytes / the slowest rank's time, median of 5 (the host's copy\n"
-    "  rate, for scale).\n"
-    "  ratio_to_memcpy = gbps / memcpy_gbps.\n"
-    "  peak_rss_mb: the largest peak resident set over the ranks' processes so far (getrusage; with\n"
-    "  --launcher threads it is the whole process), in MiB.\n\n"
+    "  memcpy_gbps: every rank concurrently copies, with plain memcpy from one private pre-touched buffer\n"
+    "    into another, exactly as many bytes as it received (dispatch) or sent (combine) in the measured\n"
+    "    operation, with `threads` threads; sum of those bytes / the slowest rank's time, median of 5.\n"
+    "    (With threads > 1 the helpers exist before the clock starts; waking them is timed.)\n"
+    "  ratio_to_memcpy = gbps / memcpy_gbps (1.0: as fast as copying each byte once).\n"
+    "  baseline_gbps = the same bytes / the baseline's median time (its extra pack and unpack copies and\n"
+    "    its metadata are not counted); speedup_vs_baseline = baseline median / epcomm median.\n"
+    "  threads: copy threads per rank (--threads, or what 0 stands for: hardware threads / ranks).\n"
+    "  peak_rss_mb: the largest, over ranks, peak resident set of a rank's process through epcomm's first\n"
+    "    iteration of this order and token count (VmHWM reset before it and read after it, before the\n"
+    "    baseline's and memcpy's buffers exist; where the reset is refused, since the process started);\n"
+    "    peak_rss_mb_per_rank lists each rank's (with --launcher threads every rank reports the whole\n"
+    "    process). MiB.\n\n"
+    "--plot FILE.svg: after the run, one SVG file: GB/s against tokens per rank (log2 axis) for epcomm,\n"
+    "the baseline and memcpy_gbps, one panel per operation and order. Sweep --tokens to make it a curve.\n\n"
     "--quantizers: instead of dispatch and combine, the single-thread throughput of every block quantizer\n"
     "(quant.md §3) and its dequantizer on a --tokens x --hidden bf16 matrix of random values (--hidden a\n"
     "multiple of 32), best of --iters passes each, one JSON line per algorithm and variant:\n"
@@ -61,33 +93,31 @@ const char* kBenchEpilog =
     "  (for dequantize the same bf16-equivalent byte count of the elements produced). Target: at least\n"
     "  1 GB/s of bf16 input per core for every quantize algorithm (quant.md §7); --tokens 4096 --hidden\n"
     "  7168 is the spec's matrix. Only --tokens, --hidden, --iters and --quiet apply.\n\n"
-    "Exit status: 0 when every check passed, 1 when one failed or a runtime error, 2 a usage error.\n";
+    "Exit status: 0 when every check passed, 1 when one failed (verified or baseline_verified false) or a\n"
+    "runtime error, 2 a usage error.\n";
 
 struct BenchOptions {
   RunOptions run;
   int warmup = 3;
   std::vector<ReceiveOrder> orders;
+  std::vector<int64_t> tokens;  // per rank, one sweep point each
+  int threads_flag = 0;         // --threads: Config::num_threads (0 = the library's default)
+  int threads = 1;              // resolved: copy threads per rank, for epcomm and the memcpy limit
+  std::string plot;             // --plot FILE.svg, or ""
 };
 
-// Aggregate copy rate of all ranks memcpy'ing at once (collective): each copies its own tokens, or
-// kMinCopyBytes when that is more, so that the figure measures memory rather than cache.
-constexpr size_t kMinCopyBytes = size_t{32} << 20;
-
-double measure_memcpy_gbps(Bootstrap& bs, const std::vector<std::byte>& x) {
-  std::vector<std::byte> scratch;
-  if (x.size() < kMinCopyBytes) scratch.assign(kMinCopyBytes, std::byte{2});
-  const std::vector<std::byte>& src = scratch.empty() ? x : scratch;
-  std::vector<std::byte> dst(src.size(), std::byte{1});
-  std::vector<double> times;
-  for (int rep = 0; rep < 5; ++rep) {
-    bs.barrier();
-    const double t0 = now_s();
-    std::memcpy(dst.data(), src.data(), src.size());
-    times.push_back(now_s() - t0);
-  }
-  const auto all = all_gather_values(bs, times);
-  const double t = median(max_over_ranks(all, bs.size(), 5));
-  return t > 0 ? static_cast<double>(src.size()) * bs.size() / t / 1e9 : 0.0;
+// The baseline exists for plain rows under MPI; the reason it is null otherwise.
+const char* baseline_absent_reason(const RunOptions& ro) {
+  if (!have_mpi())
+    return "baseline_gbps is null: the MPI_Alltoallv baseline needs a build with MPI (this one found none; "
+           "install Open MPI, e.g. libopenmpi-dev openmpi-bin, reconfigure, then run it under mpirun with "
+           "--bootstrap mpi)";
+  if (ro.launcher != Launcher::mpi)
+    return "baseline_gbps is null: the MPI_Alltoallv baseline needs one MPI process per rank: "
+           "mpirun -n R epcomm bench --bootstrap mpi ...";
+  if (ro.quantizes())
+    return "baseline_gbps is null: the baseline moves plain rows; it has no quantizing --quant";
+  return nullptr;
 }
 
 // The dispatched rows as the combine input: the rows themselves, or quantized rows dequantized to the dtype.
@@ -111,17 +141,30 @@ struct Inputs {
   LayoutResult layout;
 };
 
-// What one rank measured for one order.
+Inputs make_inputs(const RunOptions& ro, int r, Buffer& buffer) {
+  const int64_t T = ro.tokens, H = ro.hidden;
+  Inputs in;
+  const size_t row_bytes = static_cast<size_t>(H) * dtype_size(ro.dtype);
+  in.x.resize(static_cast<size_t>(T) * row_bytes);
+  for (int64_t t = 0; t < T; ++t) make_token(ro.seed, r, t, H, ro.dtype, in.x.data() + t * row_bytes);
+  in.routing = bench_routing(ro, r);
+  in.x_t = Tensor::wrap(in.x.data(), ro.dtype, {T, H});
+  in.ids_t = Tensor::wrap(in.routing.ids.data(), DType::i64, {T, ro.topk});
+  in.weights_t = Tensor::wrap(in.routing.weights.data(), DType::f32, {T, ro.topk});
+  in.layout = buffer.get_dispatch_layout(in.ids_t, ro.experts);
+  return in;
+}
+
+// What one rank measured for one order: epcomm and, under MPI, the baseline, iteration by iteration.
 struct OrderRun {
-  std::vector<double> times;  // dispatch [iters], then combine [iters]
+  std::vector<double> times, baseline_times;  // dispatch [iters], then combine [iters]
   int64_t rows = 0, dispatch_bytes = 0, combine_bytes = 0;
-  int64_t ok = 1;
+  int64_t ok = 1, baseline_dispatch_ok = 1, baseline_combine_ok = 1;
+  double peak_rss_mb = 0;  // after epcomm's first iteration, before the baseline's buffers exist
 };
 
-OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs, const Inputs& in,
-                   Progress& progress) {
-  const RunOptions& ro = o.run;
-  const int r = bs.rank(), iters = ro.iters;
+DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Inputs& in,
+                           const std::optional<Config>& config) {
   DispatchArgs da;
   da.x.data = in.x_t;
   da.topk_idx = in.ids_t;
@@ -131,70 +174,182 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   da.num_tokens_per_expert = in.layout.num_tokens_per_expert;
   da.quant_mode = ro.quant;
   da.receive_order = order;
+  da.expert_alignment = ro.expert_alignment;
+  da.config = config;
+  return da;
+}
+
+std::unique_ptr<AlltoallvBaseline> make_baseline(const RunOptions& ro, ReceiveOrder order, Bootstrap& bs,
+                                                 const Inputs& in) {
+  BaselineInputs bi;
+  bi.rank = bs.rank();
+  bi.ranks = bs.size();
+  bi.tokens = ro.tokens;
+  bi.hidden = ro.hidden;
+  bi.topk = ro.topk;
+  bi.experts = ro.experts;
+  bi.dtype = ro.dtype;
+  bi.order = order;
+  bi.expert_alignment = ro.expert_alignment;
+  bi.x = in.x.data();
+  bi.ids = in.routing.ids.data();
+  bi.weights = in.routing.weights.data();
+  return std::make_unique<AlltoallvBaseline>(bi);
+}
+
+// Checks epcomm's first iteration against the seed and records its row and byte counts.
+void check_first(const RunOptions& ro, ReceiveOrder order, int r, const std::string& name, const Inputs& in,
+                 const DispatchResult& d, const CombineResult& c, OrderRun& run) {
+  std::string why = verify_dispatch(ro, order, r, d);
+  if (why.empty()) why = verify_combine(ro, order, r, in.x, in.routing, c);
+  if (!why.empty()) {
+    std::fprintf(stderr, "epcomm bench: %s: verification failed on rank %d: %s\n", name.c_str(), r,
+                 why.c_str());
+    run.ok = 0;
+  }
+  run.rows = 0;  // rows that moved: PAD rows (--expert-alignment) excluded
+  for (int64_t n : d.handle->num_recv_rows_per_source()) run.rows += n;
+  run.dispatch_bytes = run.rows * ro.dispatch_row_bytes();
+  run.combine_bytes = run.rows * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
+}
+
+// Compares the baseline's first iteration with epcomm's, bitwise.
+void check_baseline(const RunOptions& ro, int r, const std::string& name, const AlltoallvBaseline& b,
+                    const DispatchResult& d, const CombineResult& c, OrderRun& run) {
+  const std::string whys[2] = {compare_dispatch(b, d, ro.hidden, ro.topk),
+                               compare_combine(b, c, ro.tokens, ro.topk)};
+  for (const std::string& why : whys)
+    if (!why.empty())
+      std::fprintf(stderr, "epcomm bench: %s: the baseline differs from epcomm on rank %d: %s\n",
+                   name.c_str(), r, why.c_str());
+  run.baseline_dispatch_ok = whys[0].empty();
+  run.baseline_combine_ok = whys[1].empty();
+}
+
+// --warmup + --iters iterations; each times epcomm's dispatch and combine, then (with_baseline) the
+// baseline's, so both see the same moments of a noisy machine. A barrier precedes every timed call.
+OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs, const Inputs& in,
+                   bool with_baseline, Progress& progress) {
+  const RunOptions& ro = o.run;
+  const int r = bs.rank(), iters = ro.iters;
+  std::optional<Config> config;
+  if (o.threads_flag > 0) {
+    config = Buffer::get_dispatch_config(ro.ranks);
+    config->num_threads = o.threads_flag;
+  }
+  const DispatchArgs da = dispatch_args(ro, order, in, config);
+  std::unique_ptr<AlltoallvBaseline> baseline = with_baseline ? make_baseline(ro, order, bs, in) : nullptr;
 
   OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
-  const char* name = receive_order_name(order);
-  progress.phase(std::string(name) + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
-                 " timed iterations");
+  run.baseline_times = run.times;
+  const std::string name =
+      std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
+  progress.phase(name + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
+                 " timed iterations" +
+                 (with_baseline ? ", each epcomm then the MPI_Alltoallv baseline" : ""));
   for (int it = -o.warmup; it < iters; ++it) {
+    const bool first = it == -o.warmup;
     bs.barrier();
     double t0 = now_s();
-    DispatchResult d = buffer.dispatch(da);
+    std::optional<DispatchResult> d = buffer.dispatch(da);
     const double td = now_s() - t0;
     CombineArgs ca;
-    ca.x = combine_input(ro, d);
-    ca.handle = d.handle;
-    if (order == ReceiveOrder::rank_major) ca.topk_weights = d.recv_topk_weights;
+    ca.x = combine_input(ro, *d);
+    ca.handle = d->handle;
+    ca.config = config;
+    if (order == ReceiveOrder::rank_major) ca.topk_weights = d->recv_topk_weights;
     bs.barrier();
     t0 = now_s();
-    CombineResult c = buffer.combine(ca);
+    std::optional<CombineResult> c = buffer.combine(ca);
     const double tc = now_s() - t0;
+    ca = CombineArgs();
     if (it >= 0) {
       run.times[it] = td;
       run.times[iters + it] = tc;
     }
-    if (it == -o.warmup) {  // the first iteration: checked once, outside the timings
-      progress.phase(std::string(name) + ": verifying the first iteration");
-      std::string why = verify_dispatch(ro, order, r, d);
-      if (why.empty()) why = verify_combine(ro, order, r, in.x, in.routing, c);
-      if (!why.empty()) {
-        std::fprintf(stderr, "epcomm bench: %s: verification failed on rank %d: %s\n", name, r, why.c_str());
-        run.ok = 0;
-      }
-      run.rows = d.recv_x.data.size(0);
-      run.dispatch_bytes = run.rows * ro.dispatch_row_bytes();
-      run.combine_bytes = static_cast<int64_t>(ca.x.nbytes());
-      if (o.warmup > 0) progress.phase(std::string(name) + ": timing");
+    if (first) {  // checked once, outside the timings
+      progress.phase(name + ": verifying the first iteration");
+      check_first(ro, order, r, name, in, *d, *c, run);
+      run.peak_rss_mb = peak_rss_mb();
+    } else {  // later iterations free epcomm's results before the baseline runs
+      d.reset();
+      c.reset();
     }
+    if (baseline) {
+      bs.barrier();
+      t0 = now_s();
+      baseline->dispatch();
+      const double bd = now_s() - t0;
+      bs.barrier();
+      t0 = now_s();
+      baseline->combine(baseline->recv_x(),
+                        order == ReceiveOrder::rank_major ? baseline->recv_topk_weights() : nullptr);
+      const double bc = now_s() - t0;
+      if (it >= 0) {
+        run.baseline_times[it] = bd;
+        run.baseline_times[iters + it] = bc;
+      }
+      if (first) check_baseline(ro, r, name, *baseline, *d, *c, run);
+    }
+    if (first && o.warmup > 0) progress.phase(name + ": timing");
   }
   return run;
 }
 
-void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<double>& times,
-                 const std::vector<int64_t>& counts, double memcpy_gbps, int64_t segment_bytes,
-                 double peak_rss_mb) {
+// Median, min, p99 and max (us) of the slowest rank's time per iteration, from all ranks' times of one op.
+struct Timing {
+  double median = 0, min = 0, p99 = 0, max = 0;
+};
+
+Timing slowest_rank_timing(const std::vector<double>& all_times, int ranks, int iters, int op) {
+  std::vector<double> per_rank;
+  for (int s = 0; s < ranks; ++s) {
+    const double* t = all_times.data() + static_cast<size_t>(s) * 2 * iters + static_cast<size_t>(op) * iters;
+    per_rank.insert(per_rank.end(), t, t + iters);
+  }
+  std::vector<double> us = max_over_ranks(per_rank, ranks, iters);
+  for (double& v : us) v *= 1e6;
+  return {median(us), *std::min_element(us.begin(), us.end()), percentile(us, 0.99),
+          *std::max_element(us.begin(), us.end())};
+}
+
+// Everything one order's JSON lines need, gathered at every rank.
+struct OrderReport {
+  std::vector<double> times, baseline_times;  // all ranks, rank-major
+  std::vector<int64_t>
+      counts;  // per rank: rows, dispatch bytes, combine bytes, ok, baseline dispatch/combine ok
+  std::vector<double> peak_rss_mb;  // per rank
+  double memcpy_gbps[2] = {0, 0};   // dispatch, combine
+  bool has_baseline = false;
+};
+constexpr int kCounts = 6;
+
+const char* launcher_name(Launcher l) {
+  return l == Launcher::fork ? "fork" : l == Launcher::threads ? "threads" : "mpi";
+}
+
+void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& rep, int64_t segment_bytes,
+                 std::vector<PlotPoint>& plot) {
   const RunOptions& ro = o.run;
   const int R = ro.ranks, iters = ro.iters;
   int64_t rows = 0, dbytes = 0, cbytes = 0;
-  bool verified = true;
+  bool verified = true, baseline_verified[2] = {true, true};
   for (int s = 0; s < R; ++s) {
-    rows += counts[s * 5 + 0];
-    dbytes += counts[s * 5 + 1];
-    cbytes += counts[s * 5 + 2];
-    verified = verified && counts[s * 5 + 3] == 1;
+    rows += rep.counts[s * kCounts + 0];
+    dbytes += rep.counts[s * kCounts + 1];
+    cbytes += rep.counts[s * kCounts + 2];
+    verified = verified && rep.counts[s * kCounts + 3] == 1;
+    for (int op = 0; op < 2; ++op)
+      baseline_verified[op] = baseline_verified[op] && rep.counts[s * kCounts + 4 + op] == 1;
   }
+  const double peak = *std::max_element(rep.peak_rss_mb.begin(), rep.peak_rss_mb.end());
   for (int op = 0; op < 2; ++op) {
-    std::vector<double> per_rank;
-    for (int s = 0; s < R; ++s) {
-      const double* t = times.data() + static_cast<size_t>(s) * 2 * iters + static_cast<size_t>(op) * iters;
-      per_rank.insert(per_rank.end(), t, t + iters);
-    }
-    std::vector<double> us = max_over_ranks(per_rank, R, iters);
-    for (double& v : us) v *= 1e6;
+    const Timing tm = slowest_rank_timing(rep.times, R, iters, op);
     const int64_t bytes = op == 0 ? dbytes : cbytes;
     const int64_t bf16_bytes = rows * ro.hidden * 2;  // the same rows as bf16, whatever moved
-    const double med = median(us);
+    const double gbps = tm.median > 0 ? static_cast<double>(bytes) / tm.median / 1e3 : 0.0;
+    const double memcpy_gbps = rep.memcpy_gbps[op];
     JsonLine j;
     j.add("op", op == 0 ? "dispatch" : "combine")
         .add("order", receive_order_name(order))
@@ -203,9 +358,11 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<do
         .add("hidden", ro.hidden)
         .add("topk", ro.topk)
         .add("experts", ro.experts)
+        .add("expert_alignment", ro.expert_alignment)
         .add("dtype", dtype_name(ro.dtype))
         .add("quant", ro.quant_name())
-        .add("launcher", ro.launcher == Launcher::fork ? "fork" : "threads")
+        .add("launcher", launcher_name(ro.launcher))
+        .add("threads", o.threads)
         .add("iters", iters)
         .add("warmup", o.warmup)
         .add("rows", rows)
@@ -213,63 +370,108 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const std::vector<do
              op == 0 ? ro.dispatch_row_bytes() : ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype)))
         .add("bytes", bytes)
         .add("bytes_bf16_equiv", bf16_bytes)
-        .add("time_us_median", med, 1)
-        .add("time_us_min", *std::min_element(us.begin(), us.end()), 1)
-        .add("time_us_p99", percentile(us, 0.99), 1)
-        .add("time_us_max", *std::max_element(us.begin(), us.end()), 1)
-        .add("gbps", med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0, 3)
-        .add("gbps_bf16_equiv", med > 0 ? static_cast<double>(bf16_bytes) / med / 1e3 : 0.0, 3)
+        .add("time_us_median", tm.median, 1)
+        .add("time_us_min", tm.min, 1)
+        .add("time_us_p99", tm.p99, 1)
+        .add("time_us_max", tm.max, 1)
+        .add("gbps", gbps, 3)
+        .add("gbps_bf16_equiv", tm.median > 0 ? static_cast<double>(bf16_bytes) / tm.median / 1e3 : 0.0, 3)
         .add("memcpy_gbps", memcpy_gbps, 3)
-        .add("ratio_to_memcpy",
-             med > 0 && memcpy_gbps > 0 ? static_cast<double>(bytes) / med / 1e3 / memcpy_gbps : 0.0, 3)
-        .add("verified", verified)
+        .add("ratio_to_memcpy", gbps > 0 && memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0, 3);
+    PlotPoint pp{
+        op == 0 ? "dispatch" : "combine", receive_order_name(order), ro.tokens, gbps, memcpy_gbps, {}};
+    if (rep.has_baseline) {
+      const Timing bt = slowest_rank_timing(rep.baseline_times, R, iters, op);
+      const double bgbps = bt.median > 0 ? static_cast<double>(bytes) / bt.median / 1e3 : 0.0;
+      j.add("baseline_time_us_median", bt.median, 1)
+          .add("baseline_gbps", bgbps, 3)
+          .add("speedup_vs_baseline", tm.median > 0 ? bt.median / tm.median : 0.0, 3)
+          .add("baseline_verified", baseline_verified[op]);
+      pp.baseline_gbps = bgbps;
+    } else {
+      j.add_null("baseline_time_us_median")
+          .add_null("baseline_gbps")
+          .add_null("speedup_vs_baseline")
+          .add_null("baseline_verified");
+    }
+    j.add("verified", verified)
         .add("segment_bytes", segment_bytes)
-        .add("peak_rss_mb", peak_rss_mb, 1);
+        .add("peak_rss_mb", peak, 1)
+        .add("peak_rss_mb_per_rank", rep.peak_rss_mb, 1);
     std::printf("%s\n", j.str().c_str());
+    plot.push_back(pp);
   }
   std::fflush(stdout);
 }
 
-int bench_rank(const BenchOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
+// One order at one token count: epcomm interleaved with the baseline, then the memcpy limit of the same
+// bytes.
+OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs,
+                          const Inputs& in, Progress& progress) {
   const RunOptions& ro = o.run;
+  OrderReport rep;
+  rep.has_baseline = baseline_absent_reason(ro) == nullptr;
+  bs.barrier();
+  reset_peak_rss();
+  bs.barrier();
+  const OrderRun run = run_order(o, order, buffer, bs, in, rep.has_baseline, progress);
+  progress.phase(std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) +
+                 " tokens: memcpy of the same byte counts");
+  rep.memcpy_gbps[0] = concurrent_memcpy_gbps(bs, run.dispatch_bytes, o.threads);
+  rep.memcpy_gbps[1] = concurrent_memcpy_gbps(bs, run.combine_bytes, o.threads);
+  rep.times = all_gather_values(bs, run.times);
+  if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, run.baseline_times);
+  rep.counts =
+      all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
+                                                 run.baseline_dispatch_ok, run.baseline_combine_ok});
+  rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
+  return rep;
+}
+
+std::string shape_title(const BenchOptions& o) {
+  const RunOptions& ro = o.run;
+  std::string t = "epcomm bench: " + std::to_string(ro.ranks) + " ranks (" + launcher_name(ro.launcher) +
+                  "), hidden " + std::to_string(ro.hidden) + ", top-" + std::to_string(ro.topk) + " of " +
+                  std::to_string(ro.experts) + " experts, " + dtype_name(ro.dtype);
+  if (ro.quant) t += ", quant " + ro.quant_name();
+  return t;
+}
+
+int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
+  RunOptions& ro = o.run;
   auto group = Group::create(std::move(bootstrap));
   const int r = group->rank();
   Bootstrap& bs = group->bootstrap();
   Progress progress("epcomm bench", r == 0 && !ro.quiet);
-  progress.phase("generating tokens and routing");
-  const int64_t T = ro.tokens, H = ro.hidden;
-  const int K = ro.topk;
-  Inputs in;
-  const size_t row_bytes = static_cast<size_t>(H) * dtype_size(ro.dtype);
-  in.x.resize(static_cast<size_t>(T) * row_bytes);
-  for (int64_t t = 0; t < T; ++t) make_token(ro.seed, r, t, H, ro.dtype, in.x.data() + t * row_bytes);
-  in.routing = bench_routing(ro, r);
-  in.x_t = Tensor::wrap(in.x.data(), ro.dtype, {T, H});
-  in.ids_t = Tensor::wrap(in.routing.ids.data(), DType::i64, {T, K});
-  in.weights_t = Tensor::wrap(in.routing.weights.data(), DType::f32, {T, K});
-
   BufferOptions bo;
   bo.num_nvl_bytes = ro.num_nvl_bytes;
   bo.timeout_s = ro.timeout_s;
   Buffer buffer(group, bo);
-  in.layout = buffer.get_dispatch_layout(in.ids_t, ro.experts);
-  progress.phase("measuring the memcpy rate");
-  const double memcpy_gbps = measure_memcpy_gbps(bs, in.x);
+  if (r == 0 && !ro.quiet)
+    if (const char* why = baseline_absent_reason(ro)) std::fprintf(stderr, "epcomm bench: %s\n", why);
 
   bool all_ok = true;
-  for (ReceiveOrder order : o.orders) {
-    OrderRun run = run_order(o, order, buffer, bs, in, progress);
-    auto times = all_gather_values(bs, run.times);
-    rusage usage{};
-    getrusage(RUSAGE_SELF, &usage);  // peak resident set of this rank's process so far, in KiB
-    auto counts = all_gather_values(
-        bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok, usage.ru_maxrss});
-    int64_t peak_kib = 0;
-    for (int s = 0; s < ro.ranks; ++s) {
-      all_ok = all_ok && counts[s * 5 + 3] == 1;
-      peak_kib = std::max<int64_t>(peak_kib, counts[s * 5 + 4]);
+  std::vector<PlotPoint> plot;
+  for (int64_t T : o.tokens) {
+    ro.tokens = T;
+    progress.phase(std::to_string(T) + " tokens per rank: generating tokens and routing");
+    const Inputs in = make_inputs(ro, r, buffer);
+    for (ReceiveOrder order : o.orders) {
+      const OrderReport rep = measure_order(o, order, buffer, bs, in, progress);
+      for (int s = 0; s < ro.ranks; ++s)
+        all_ok = all_ok && rep.counts[s * kCounts + 3] == 1 && rep.counts[s * kCounts + 4] == 1 &&
+                 rep.counts[s * kCounts + 5] == 1;
+      if (r == 0) print_lines(o, order, rep, buffer.num_nvl_bytes(), plot);
     }
-    if (r == 0) print_lines(o, order, times, counts, memcpy_gbps, buffer.num_nvl_bytes(), peak_kib / 1024.0);
+  }
+  if (r == 0 && !o.plot.empty()) {
+    write_bench_svg(o.plot, shape_title(o),
+                    "GB/s = payload bytes / median time of the slowest rank; memcpy: every rank copies the "
+                    "same bytes at once, " +
+                        std::to_string(o.threads) + " thread(s) per rank; iters " + std::to_string(ro.iters) +
+                        ", warmup " + std::to_string(o.warmup),
+                    plot);
+    progress.phase("wrote " + o.plot);
   }
   progress.phase("done");
   return all_ok ? kExitOk : kExitFail;
@@ -277,8 +479,9 @@ int bench_rank(const BenchOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
 
 // `epcomm bench --quantizers`: quant/bench.h on this thread, one JSON line per algorithm and variant.
 int run_quantizer_bench(const FlagParser& p) {
-  for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
-                           "launcher", "timeout", "warmup"})
+  for (const char* name :
+       {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes", "launcher", "timeout",
+        "warmup", "bootstrap", "threads", "plot", "expert-alignment"})
     if (p.given(name))
       throw UsageError(std::string("--quantizers: --") + name +
                        " does not apply (the quantizer benchmark reads --tokens, --hidden and --iters)");
@@ -320,12 +523,22 @@ int run_quantizer_bench(const FlagParser& p) {
 int run_bench(int argc, char** argv) {
   if (take_api_flag(argc, argv) == "distribute-v2") return run_bench_v2(argc, argv);
   FlagParser p(
-      "epcomm bench", "epcomm bench [flags]",
-      "Times dispatch and combine between local ranks; prints one JSON object per line (rank 0,\n"
-      "stdout) for each operation and receive order. Progress lines go to stderr. With --quantizers it\n"
+      "epcomm bench", "epcomm bench [flags]\n       mpirun -n R epcomm bench --bootstrap mpi [flags]",
+      "Times dispatch and combine between ranks on this host; prints one JSON object per line (rank 0,\n"
+      "stdout) for each operation, receive order and token count. Progress lines go to stderr. Under\n"
+      "mpirun with --bootstrap mpi it also times the MPI_Alltoallv baseline. With --quantizers it\n"
       "benchmarks the block quantizers instead.");
-  add_run_flags(p, {2, 4096, 7168, 256, 8, 20, ""});
+  add_run_flags(p, {2, 4096, 7168, 256, 8, 20, "", true});
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
+  p.add("expert-alignment", "A", "1",
+        "DispatchArgs::expert_alignment: expert_major blocks padded with PAD rows to a multiple of A");
+  p.add("bootstrap", "local|mpi", "local",
+        "local: start --ranks ranks here (--launcher); mpi: this process is one rank of mpirun's world "
+        "(also times the MPI_Alltoallv baseline)");
+  p.add("threads", "N", "0",
+        "copy threads per rank: Config::num_threads of dispatch and combine, and the "
+        "memcpy limit's threads; 0 = the library default (hardware threads / ranks)");
+  p.add("plot", "FILE.svg", "", "also draw GB/s against tokens per rank (epcomm, baseline, memcpy) as SVG");
   p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
   p.set_epilog(kBenchEpilog);
   if (!p.parse(argc, argv)) {
@@ -333,15 +546,48 @@ int run_bench(int argc, char** argv) {
     return kExitOk;
   }
   if (p.on("quantizers")) return run_quantizer_bench(p);
+  const bool mpi = p.choice("bootstrap", {"local", "mpi"}) == "mpi";
+  if (mpi && p.given("launcher"))
+    throw UsageError("--launcher: does not apply with --bootstrap mpi (mpirun starts the ranks)");
   BenchOptions o;
-  o.run = read_run_flags(p);
+  o.tokens = p.integer_list("tokens", 0, int64_t{1} << 30);
   o.warmup = static_cast<int>(p.integer("warmup", 0, 1000000));
-  if (o.run.order)
-    o.orders = {*o.run.order};
-  else
-    o.orders = {ReceiveOrder::expert_major, ReceiveOrder::rank_major};
-  return run_ranks("epcomm bench", o.run,
-                   [&](std::unique_ptr<Bootstrap> bs) { return bench_rank(o, std::move(bs)); });
+  const int64_t alignment = p.integer("expert-alignment", 1, int64_t{1} << 20);
+  o.threads_flag = static_cast<int>(p.integer("threads", 0, 1024));
+  o.plot = p.str("plot");
+  if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
+    throw UsageError(bad_value("plot", "a file name that can be written", o.plot));
+  if (!mpi) {
+    o.run = read_run_flags(p, {std::nullopt, true});
+    o.run.expert_alignment = alignment;
+    o.threads = resolve_threads(o.threads_flag, o.run.ranks);
+    o.orders = o.run.order ? std::vector<ReceiveOrder>{*o.run.order}
+                           : std::vector<ReceiveOrder>{ReceiveOrder::expert_major, ReceiveOrder::rank_major};
+    return run_ranks("epcomm bench", o.run,
+                     [&](std::unique_ptr<Bootstrap> bs) { return bench_rank(o, std::move(bs)); });
+  }
+  // One rank per MPI process: the world decides the rank count; a usage error is printed by rank 0 only.
+  const double timeout_s = p.given("timeout") ? p.seconds("timeout") : 100.0;
+  std::unique_ptr<Bootstrap> bs =
+      make_world_bootstrap(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  const int world = bs->size(), rank = bs->rank();
+  try {
+    if (p.given("ranks") && p.integer("ranks", 1, 1024) != world)
+      throw UsageError(bad_value(
+          "ranks", "the MPI world size " + std::to_string(world) + " with --bootstrap mpi (or leave it out)",
+          p.str("ranks")));
+    o.run = read_run_flags(p, {world, true});
+  } catch (const UsageError& e) {
+    if (rank == 0) std::fprintf(stderr, "epcomm bench: %s\n", e.what());
+    return kExitUsage;
+  }
+  o.run.launcher = Launcher::mpi;
+  o.run.expert_alignment = alignment;
+  o.threads = resolve_threads(o.threads_flag, o.run.ranks);
+  o.orders = o.run.order ? std::vector<ReceiveOrder>{*o.run.order}
+                         : std::vector<ReceiveOrder>{ReceiveOrder::expert_major, ReceiveOrder::rank_major};
+  return run_this_rank("epcomm bench", std::move(bs),
+                       [&](std::unique_ptr<Bootstrap> b) { return bench_rank(o, std::move(b)); });
 }
 
 }  // namespace epcomm::cli

@@ -17,9 +17,9 @@ namespace epcomm::cli {
 namespace {
 
 struct RecvRow {
-  int s;
-  int64_t t;
-  int k;  // -1 in rank_major
+  int s;      // -1 for a PAD row
+  int64_t t;  // -1 for a PAD row
+  int k;      // -1 in rank_major and for a PAD row
 };
 
 std::string row_str(int64_t i, const RecvRow& e) {
@@ -28,17 +28,20 @@ std::string row_str(int64_t i, const RecvRow& e) {
   return os.str();
 }
 
-// The rows rank r must receive, in order (spec §4.3 expert_major, §4.4 rank_major).
+// The rows rank r must receive, in order (spec §4.3 expert_major with its PAD rows, §4.4 rank_major).
 std::vector<RecvRow> expected_rows(const RunOptions& o, ReceiveOrder order, int r,
                                    const std::vector<Routing>& all) {
   const int L = o.local_experts(), K = o.topk;
   std::vector<RecvRow> rows;
   if (order == ReceiveOrder::expert_major) {
-    for (int j = 0; j < L; ++j)
+    for (int j = 0; j < L; ++j) {
+      const size_t block = rows.size();
       for (int s = 0; s < o.ranks; ++s)
         for (int64_t t = 0; t < o.tokens; ++t)
           for (int k = 0; k < K; ++k)
             if (all[s].ids[t * K + k] == r * L + j) rows.push_back({s, t, k});
+      while ((rows.size() - block) % o.expert_alignment != 0) rows.push_back({-1, -1, -1});
+    }
   } else {
     for (int s = 0; s < o.ranks; ++s)
       for (int64_t t = 0; t < o.tokens; ++t)
@@ -96,6 +99,25 @@ std::string check_row_payload(const RunOptions& o, int64_t i, const RecvRow& e, 
   return "";
 }
 
+// A PAD row (spec §4.3): payload bytes (data and scales) zero, recv_topk_idx all -1, weights +0.0.
+std::string check_pad_row(const RunOptions& o, int64_t i, const DispatchResult& d) {
+  const int K = o.topk;
+  const int64_t rows = d.recv_x.data.size(0);
+  auto zero = [rows](const Tensor& t, int64_t i) {  // MX scales may be flat: bytes per row from the row count
+    const size_t n = t.nbytes() / static_cast<size_t>(rows);
+    const std::byte* p = static_cast<const std::byte*>(t.data()) + i * n;
+    return std::all_of(p, p + n, [](std::byte b) { return b == std::byte{0}; });
+  };
+  if (!zero(d.recv_x.data, i) || (d.recv_x.scales && !zero(*d.recv_x.scales, i)))
+    return "PAD row " + std::to_string(i) + ": payload not zero";
+  for (int k = 0; k < K; ++k)
+    if (d.recv_topk_idx->data_as<int64_t>()[i * K + k] != -1 ||
+        !same_bits(d.recv_topk_weights->data_as<float>()[i * K + k], 0.0f))
+      return "PAD row " + std::to_string(i) + ": recv_topk_idx/weights slot " + std::to_string(k) +
+             " not -1/+0.0";
+  return "";
+}
+
 }  // namespace
 
 void bench_route(const RunOptions& o, int s, int64_t t, int64_t* ids, float* weights) {
@@ -134,8 +156,9 @@ std::string verify_dispatch(const RunOptions& o, ReceiveOrder order, int r, cons
   for (int s = 0; s < o.ranks; ++s)
     for (int64_t v : all[s].ids)
       if (v / L == r) ++cnt[v % L];
+  for (int64_t& c : cnt) c = (c + o.expert_alignment - 1) / o.expert_alignment * o.expert_alignment;
   if (*d.num_recv_tokens_per_expert_list != cnt)
-    return "num_recv_tokens_per_expert_list differs from the expected counts";
+    return "num_recv_tokens_per_expert_list differs from the expected (aligned) counts";
 
   const Tensor src_rank = d.handle->recv_src_rank(), src_token = d.handle->recv_src_token(),
                src_slot = d.handle->recv_src_slot();
@@ -152,6 +175,10 @@ std::string verify_dispatch(const RunOptions& o, ReceiveOrder order, int r, cons
              std::to_string(src_rank.data_as<int32_t>()[i]) + ", token " +
              std::to_string(src_token.data_as<int32_t>()[i]) + ", slot " +
              std::to_string(src_slot.data_as<int32_t>()[i]);
+    if (e.s < 0) {
+      if (auto why = check_pad_row(o, i, d); !why.empty()) return why;
+      continue;
+    }
     if (auto why = check_row_topk(o, order, r, i, e, all[e.s], d); !why.empty()) return why;
     if (auto why = check_row_payload(o, i, e, d, token, data, scales); !why.empty()) return why;
   }

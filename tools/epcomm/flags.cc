@@ -86,6 +86,22 @@ int64_t FlagParser::integer(const std::string& name, int64_t min, int64_t max) c
   return v;
 }
 
+std::vector<int64_t> FlagParser::integer_list(const std::string& name, int64_t min, int64_t max) const {
+  const std::string text = str(name);
+  const std::string expected =
+      "a comma-separated list of integers in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    int64_t v = 0;
+    if (!parse_int(item, v) || v < min || v > max) throw UsageError(bad_value(name, expected, text));
+    out.push_back(v);
+  }
+  if (out.empty() || text.back() == ',') throw UsageError(bad_value(name, expected, text));
+  return out;
+}
+
 int64_t FlagParser::bytes(const std::string& name) const {
   std::string text = str(name);
   std::string digits = text;

@@ -42,6 +42,8 @@ class FlagParser {
   std::string str(const std::string& name) const;
   // An integer within [min, max]; otherwise a UsageError naming the flag, the range and the value.
   int64_t integer(const std::string& name, int64_t min, int64_t max) const;
+  // A comma-separated list of integers, each within [min, max] (e.g. 256,1024,4096); at least one.
+  std::vector<int64_t> integer_list(const std::string& name, int64_t min, int64_t max) const;
   // A byte count: an integer with an optional K, M or G suffix (powers of 1024), e.g. 64M.
   int64_t bytes(const std::string& name) const;
   // A positive number of seconds.

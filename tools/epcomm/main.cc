@@ -27,7 +27,9 @@ const Command kCommands[] = {
      "           --api distribute-v2: through dispatch_v2/combine_v2 with a shared expert",
      epcomm::cli::run_demo},
     {"bench",
-     "time dispatch and combine; one JSON object per line on stdout;\n"
+     "time dispatch and combine; one JSON object per line on stdout, beside the memcpy limit;\n"
+     "           mpirun -n R epcomm bench --bootstrap mpi: also the MPI_Alltoallv baseline;\n"
+     "           --plot FILE.svg: GB/s against tokens per rank (--tokens 256,1024,...);\n"
      "           --api distribute-v2: dispatch_v2/combine_v2 in the decode shape",
      epcomm::cli::run_bench},
 };

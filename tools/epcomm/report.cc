@@ -103,18 +103,37 @@ JsonLine& JsonLine::add(const std::string& k, int64_t value) {
   return *this;
 }
 
-JsonLine& JsonLine::add(const std::string& k, double value, int decimals) {
-  key(k);
-  if (!std::isfinite(value)) {
-    body_ += "null";
-    return *this;
-  }
+namespace {
+
+std::string json_number(double value, int decimals) {
+  if (!std::isfinite(value)) return "null";
   char buf[64];
   if (decimals < 0 || std::fabs(value) >= 1e15)
     std::snprintf(buf, sizeof(buf), "%.6g", value);
   else
     std::snprintf(buf, sizeof(buf), "%.*f", decimals, value);
-  body_ += buf;
+  return buf;
+}
+
+}  // namespace
+
+JsonLine& JsonLine::add(const std::string& k, double value, int decimals) {
+  key(k);
+  body_ += json_number(value, decimals);
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& k, const std::vector<double>& values, int decimals) {
+  key(k);
+  body_ += '[';
+  for (size_t i = 0; i < values.size(); ++i) body_ += (i ? ", " : "") + json_number(values[i], decimals);
+  body_ += ']';
+  return *this;
+}
+
+JsonLine& JsonLine::add_null(const std::string& k) {
+  key(k);
+  body_ += "null";
   return *this;
 }
 

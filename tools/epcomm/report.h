@@ -34,6 +34,9 @@ class JsonLine {
   // Non-finite values become null. decimals < 0: "%.6g"; else fixed-point with that many decimals.
   JsonLine& add(const std::string& key, double value, int decimals = -1);
   JsonLine& add(const std::string& key, bool value);
+  JsonLine& add_null(const std::string& key);
+  // A JSON array of numbers, each formatted as add(key, double, decimals) formats one.
+  JsonLine& add(const std::string& key, const std::vector<double>& values, int decimals = -1);
   std::string str() const { return "{" + body_ + "}"; }
 
  private:

@@ -47,7 +47,9 @@ int64_t RunOptions::dispatch_row_bytes() const {
 
 void add_run_flags(FlagParser& p, const RunDefaults& d) {
   p.add("ranks", "R", std::to_string(d.ranks), "number of local ranks (processes or threads)");
-  p.add("tokens", "T", std::to_string(d.tokens), "tokens per rank");
+  p.add("tokens", d.token_list ? "T[,T...]" : "T", std::to_string(d.tokens),
+        d.token_list ? "tokens per rank; a comma-separated list measures each (e.g. 256,1024,4096,16384)"
+                     : "tokens per rank");
   p.add("hidden", "H", std::to_string(d.hidden), "hidden size (elements per token row)");
   p.add("experts", "E", std::to_string(d.experts), "number of experts (a multiple of --ranks)");
   p.add("topk", "K", std::to_string(d.topk), "experts per token (<= --experts)");
@@ -66,10 +68,11 @@ void add_run_flags(FlagParser& p, const RunDefaults& d) {
   p.add_switch("quiet", "no progress lines on stderr");
 }
 
-RunOptions read_run_flags(const FlagParser& p) {
+RunOptions read_run_flags(const FlagParser& p, const RunFlagRules& rules) {
   RunOptions o;
-  o.ranks = static_cast<int>(p.integer("ranks", 1, 1024));
-  o.tokens = p.integer("tokens", 0, int64_t{1} << 30);
+  o.ranks = rules.ranks ? *rules.ranks : static_cast<int>(p.integer("ranks", 1, 1024));
+  o.tokens = rules.token_list ? p.integer_list("tokens", 0, int64_t{1} << 30).front()
+                              : p.integer("tokens", 0, int64_t{1} << 30);
   o.hidden = p.integer("hidden", 1, int64_t{1} << 24);
   o.experts = static_cast<int>(p.integer("experts", 1, 1 << 20));
   o.topk = static_cast<int>(p.integer("topk", 1, 1024));
@@ -105,20 +108,24 @@ RunOptions read_run_flags(const FlagParser& p) {
   return o;
 }
 
+int run_this_rank(const std::string& command, std::unique_ptr<Bootstrap> bootstrap, const RankBody& body) {
+  const int rank = bootstrap->rank();
+  try {
+    return body(std::move(bootstrap));
+  } catch (const Error& e) {
+    const bool usage = e.code() == ErrorCode::InvalidUsage;
+    if (!usage || rank == 0)
+      std::fprintf(stderr, "%s: error (rank %d): %s\n", command.c_str(), rank, e.what());
+    return usage ? kExitUsage : kExitFail;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error (rank %d): %s\n", command.c_str(), rank, e.what());
+    return kExitFail;
+  }
+}
+
 int run_ranks(const std::string& command, const RunOptions& opts, const RankBody& body) {
   RankFn fn = [&](std::unique_ptr<Bootstrap> bootstrap) -> int {
-    const int rank = bootstrap->rank();
-    try {
-      return body(std::move(bootstrap));
-    } catch (const Error& e) {
-      const bool usage = e.code() == ErrorCode::InvalidUsage;
-      if (!usage || rank == 0)
-        std::fprintf(stderr, "%s: error (rank %d): %s\n", command.c_str(), rank, e.what());
-      return usage ? kExitUsage : kExitFail;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s: error (rank %d): %s\n", command.c_str(), rank, e.what());
-      return kExitFail;
-    }
+    return run_this_rank(command, std::move(bootstrap), body);
   };
   LaunchOptions lo;
   if (opts.timeout_s) {

@@ -14,7 +14,9 @@
 
 namespace epcomm::cli {
 
-enum class Launcher { fork, threads };
+// How the ranks start: forked processes or threads of this process, or (bench --bootstrap mpi) one rank per
+// MPI process started by mpirun.
+enum class Launcher { fork, threads, mpi };
 
 // Validated values of the shared flags. Invariants: experts % ranks == 0, 1 <= topk <= experts.
 struct RunOptions {
@@ -31,6 +33,7 @@ struct RunOptions {
   int64_t num_nvl_bytes = 0;       // 0: the library default (64 MiB)
   Launcher launcher = Launcher::fork;
   std::optional<double> timeout_s;  // none: EPCOMM_TIMEOUT_S, else 100
+  int64_t expert_alignment = 1;     // DispatchArgs::expert_alignment (bench --expert-alignment)
   bool quiet = false;
 
   int local_experts() const { return experts / ranks; }
@@ -46,16 +49,27 @@ struct RunDefaults {
   int ranks;
   int64_t tokens, hidden;
   int experts, topk, iters;
-  std::string order;  // "" = the command decides (bench: both)
+  std::string order;        // "" = the command decides (bench: both)
+  bool token_list = false;  // --tokens takes a comma-separated list (bench sweeps it)
+};
+
+// What a command changes in how read_run_flags reads the shared flags.
+struct RunFlagRules {
+  std::optional<int> ranks;  // the rank count when --ranks does not choose it (mpirun's world size)
+  bool token_list = false;   // --tokens may be a comma-separated list; RunOptions::tokens gets the first
 };
 
 void add_run_flags(FlagParser& parser, const RunDefaults& defaults);
 // Reads and cross-checks the shared flags; checks the quant mode against the library's quantizers (so
 // "not supported yet" is reported before any rank starts). Throws UsageError.
-RunOptions read_run_flags(const FlagParser& parser);
+RunOptions read_run_flags(const FlagParser& parser, const RunFlagRules& rules = {});
 
 // The body of one rank; returns its exit status.
 using RankBody = std::function<int(std::unique_ptr<Bootstrap>)>;
+
+// Runs `body` on this process's rank (its bootstrap already made, e.g. over MPI) with the error rules of
+// run_ranks; returns the rank's exit status.
+int run_this_rank(const std::string& command, std::unique_ptr<Bootstrap> bootstrap, const RankBody& body);
 
 // Runs `body` on opts.ranks local ranks (forked processes or threads). Inside, an epcomm::Error escaping
 // the body becomes exit status 2 for InvalidUsage (printed by rank 0 only, since every rank raises it) and 1
