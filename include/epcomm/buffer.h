@@ -161,6 +161,10 @@ class Buffer {
     int64_t network_writes = 0;
   };
   InternodeCounters internode_counters() const;
+  // Raw network bandwidth (GB/s, 1e9 B/s) from this rank to its first rail peer: `bytes` put `iterations`
+  // times into a registered buffer with the transport's one-sided put. Collective over the group; 0 on one
+  // node. For the bench's ratio_to_link.
+  double measure_link_gbps(int64_t bytes = 64 << 20, int iterations = 5);
 
   // Local: no communication.
   LayoutResult get_dispatch_layout(const Tensor& topk_idx, int num_experts,

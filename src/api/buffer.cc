@@ -185,6 +185,15 @@ Buffer::InternodeCounters Buffer::internode_counters() const {
   return c;
 }
 
+double Buffer::measure_link_gbps(int64_t bytes, int iterations) {
+  Impl& b = *impl_;
+  b.check_usable("measure_link_gbps");
+  EPCOMM_CHECK(bytes > 0 && iterations > 0, "measure_link_gbps: bytes and iterations must be positive, got ",
+               bytes, " and ", iterations);
+  if (!b.network) return 0.0;
+  return b.network->measure_link_gbps(b.group->bootstrap(), static_cast<size_t>(bytes), iterations);
+}
+
 int Buffer::num_nodes() const {
   return impl_->num_nodes;
 }

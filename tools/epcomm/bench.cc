@@ -58,7 +58,14 @@ const char* kBenchEpilog =
     "expert_alignment, dtype, quant, launcher (fork|threads|mpi), threads, iters, warmup, rows, row_bytes,\n"
     "bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
     "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
-    "speedup_vs_baseline, baseline_verified, verified, segment_bytes, peak_rss_mb, peak_rss_mb_per_rank.\n\n"
+    "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
+    "verified, segment_bytes, peak_rss_mb, peak_rss_mb_per_rank.\n\n"
+    "Across nodes (--ranks-per-node P, or EPCOMM_RANKS_PER_NODE; with UCX_TLS=tcp virtual nodes on one host\n"
+    "talk over TCP sockets): network_bytes = pairs x row_bytes (dispatch) or pairs x H x 4 (combine: f32\n"
+    "partials), pairs = (token, other node that needs it) over all ranks; network_gbps = network_bytes /\n"
+    "time_us_median / 1e3; link_gbps = the raw UCX put bandwidth of the same transport, every rank to its\n"
+    "first rail peer at once, summed (Buffer::measure_link_gbps); ratio_to_link = network_gbps / link_gbps.\n"
+    "On one node these fields are null (nodes = 1).\n\n"
     "Byte formulas (aggregate over all ranks, payload only, no per-row metadata):\n"
     "  rows = rows received by all ranks, including each rank's rows from itself, PAD rows excluded;\n"
     "  bytes (dispatch) = rows x row_bytes,\n"
@@ -322,6 +329,10 @@ struct OrderReport {
   std::vector<double> peak_rss_mb;  // per rank
   double memcpy_gbps[2] = {0, 0};   // dispatch, combine
   bool has_baseline = false;
+  // Internode: per rank, (token, other node) pairs (rows over the network); all ranks' link GB/s summed.
+  std::vector<int64_t> net_pairs;
+  int nodes = 1;
+  double link_gbps = 0;
 };
 constexpr int kCounts = 6;
 
@@ -394,6 +405,20 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
           .add_null("speedup_vs_baseline")
           .add_null("baseline_verified");
     }
+    if (rep.nodes > 1) {  // network bytes: dispatch rows one way, f32 partials the other (docs/internode.md)
+      int64_t pairs = 0;
+      for (int64_t p : rep.net_pairs) pairs += p;
+      const int64_t net = pairs * (op == 0 ? ro.dispatch_row_bytes() : ro.hidden * 4);
+      const double net_gbps = tm.median > 0 ? static_cast<double>(net) / tm.median / 1e3 : 0.0;
+      j.add("nodes", rep.nodes)
+          .add("network_bytes", net)
+          .add("network_gbps", net_gbps, 3)
+          .add("link_gbps", rep.link_gbps, 3)
+          .add("ratio_to_link", rep.link_gbps > 0 ? net_gbps / rep.link_gbps : 0.0, 3);
+    } else {
+      j.add("nodes", 1).add_null("network_bytes").add_null("network_gbps").add_null("link_gbps").add_null(
+          "ratio_to_link");
+    }
     j.add("verified", verified)
         .add("segment_bytes", segment_bytes)
         .add("peak_rss_mb", peak, 1)
@@ -425,6 +450,22 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
       all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
                                                  run.baseline_dispatch_ok, run.baseline_combine_ok});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
+  rep.nodes = buffer.num_nodes();
+  if (rep.nodes > 1) {
+    int64_t pairs = 0;
+    const int L = ro.experts / ro.ranks, me = bs.rank();
+    for (int64_t t = 0; t < ro.tokens; ++t) {
+      std::vector<int> seen;
+      for (int k = 0; k < ro.topk; ++k) {
+        const int64_t e = in.routing.ids[t * ro.topk + k];
+        if (e < 0) continue;
+        const int n = buffer.node_of(static_cast<int>(e / L));
+        if (n != buffer.node_of(me) && std::find(seen.begin(), seen.end(), n) == seen.end()) seen.push_back(n);
+      }
+      pairs += static_cast<int64_t>(seen.size());
+    }
+    rep.net_pairs = all_gather_values(bs, std::vector<int64_t>{pairs});
+  }
   return rep;
 }
 
@@ -445,8 +486,15 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   Progress progress("epcomm bench", r == 0 && !ro.quiet);
   BufferOptions bo;
   bo.num_nvl_bytes = ro.num_nvl_bytes;
+  bo.num_rdma_bytes = ro.num_rdma_bytes;
+  bo.ranks_per_node = ro.ranks_per_node;
   bo.timeout_s = ro.timeout_s;
   Buffer buffer(group, bo);
+  double link_gbps = 0;  // internode: the raw put bandwidth of the same transport, all ranks at once, summed
+  if (buffer.num_nodes() > 1) {
+    progress.phase("raw UCX put bandwidth to the rail peers");
+    for (double v : all_gather_values(bs, std::vector<double>{buffer.measure_link_gbps()})) link_gbps += v;
+  }
   if (r == 0 && !ro.quiet)
     if (const char* why = baseline_absent_reason(ro)) std::fprintf(stderr, "epcomm bench: %s\n", why);
 
@@ -457,7 +505,8 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     progress.phase(std::to_string(T) + " tokens per rank: generating tokens and routing");
     const Inputs in = make_inputs(ro, r, buffer);
     for (ReceiveOrder order : o.orders) {
-      const OrderReport rep = measure_order(o, order, buffer, bs, in, progress);
+      OrderReport rep = measure_order(o, order, buffer, bs, in, progress);
+      rep.link_gbps = link_gbps;
       for (int s = 0; s < ro.ranks; ++s)
         all_ok = all_ok && rep.counts[s * kCounts + 3] == 1 && rep.counts[s * kCounts + 4] == 1 &&
                  rep.counts[s * kCounts + 5] == 1;
@@ -480,7 +529,7 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
 // `epcomm bench --quantizers`: quant/bench.h on this thread, one JSON line per algorithm and variant.
 int run_quantizer_bench(const FlagParser& p) {
   for (const char* name :
-       {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes", "launcher", "timeout",
+       {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes", "num-rdma-bytes", "ranks-per-node", "launcher", "timeout",
         "warmup", "bootstrap", "threads", "plot", "expert-alignment"})
     if (p.given(name))
       throw UsageError(std::string("--quantizers: --") + name +

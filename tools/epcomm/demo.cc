@@ -108,6 +108,8 @@ RankOutput run_layer(const DemoOptions& o, const std::shared_ptr<Group>& group, 
 
   BufferOptions bo;
   bo.num_nvl_bytes = o.run.num_nvl_bytes;
+  bo.num_rdma_bytes = o.run.num_rdma_bytes;
+  bo.ranks_per_node = o.run.ranks_per_node;
   bo.timeout_s = o.run.timeout_s;
   bo.receive_order = o.order;
   progress.phase("creating the Buffer (collective)");

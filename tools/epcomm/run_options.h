@@ -31,6 +31,8 @@ struct RunOptions {
   int iters = 1;
   std::optional<QuantMode> quant;  // none: rows are copied as they are (plain)
   int64_t num_nvl_bytes = 0;       // 0: the library default (64 MiB)
+  int64_t num_rdma_bytes = 0;      // internode staging per rank; 0: the library default (64 MiB)
+  int ranks_per_node = 0;          // 0: EPCOMM_RANKS_PER_NODE, else one node per host
   Launcher launcher = Launcher::fork;
   std::optional<double> timeout_s;  // none: EPCOMM_TIMEOUT_S, else 100
   int64_t expert_alignment = 1;     // DispatchArgs::expert_alignment (bench --expert-alignment)
