@@ -14,6 +14,9 @@ namespace epcomm::engine {
 
 using Clock = std::chrono::steady_clock;
 
+// Combine window half: a few MiB, well inside the L3 the ranks of a host share (see docs/performance.md).
+constexpr size_t kCombineHalfBytes = size_t{4} << 20;
+
 void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
                  const std::function<void()>& on_shapes) {
   const int R = ctx.size(), me = ctx.rank();
@@ -46,8 +49,11 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   const size_t row_bytes = static_cast<size_t>(Hc) * elem;
   const size_t wbytes = in.has_recv_weights ? sizeof(float) * K : 0;
   // Two halves when a window fits in half the area: contributors fill window w + 1 while the origin reduces
-  // w.
-  const size_t half = ctx.layout().data_bytes / 2 / kAlign * kAlign;
+  // w. A half is capped at kCombineHalfBytes so that the copies a contributor writes are still in the
+  // shared cache when the origin reads them (a 32 MiB half went to DRAM and back: two extra touches).
+  size_t half = std::min(kCombineHalfBytes, ctx.layout().data_bytes / 2 / kAlign * kAlign);
+  if (combine_geometry(half, row_bytes, slots, wbytes).window < 1)
+    half = ctx.layout().data_bytes / 2 / kAlign * kAlign;  // one token's slots exceed the cap
   const bool two = combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
   const int64_t halves = two ? 2 : 1;
   const size_t area_bytes = two ? half : ctx.layout().data_bytes;
@@ -102,7 +108,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
         local_rows[l] = in.x + row * row_bytes;
         if (wbytes) local_weights[l] = in.recv_weights + row * K;
       } else {
-        copy_row(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
+        // Plain stores: the origin reads this copy within the next window or two, from the cache.
+        std::memcpy(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
         if (wbytes)
           std::memcpy(area + weights_off + idx * geo.weight_stride, in.recv_weights + row * K, wbytes);
       }
