@@ -120,6 +120,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   // Origin: reduce window w into combined_x.
   const uint8_t* rows_ptr[1024];
   float wts[1024];
+  const uint8_t* next_ptr[1024];
+  float next_wts[1024];
   uint8_t* cx = out.combined_x.data_as<uint8_t>();
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
   auto reduce = [&](int64_t w) {
@@ -132,18 +134,25 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
       const size_t idx = static_cast<size_t>(t - t0) * slots + slot;
       return lrow[idx] ? lrow[idx] : win + idx * geo.row_stride;
     };
-    for (int64_t t = t0; t < t1; ++t) {
+    // The contributions of token t in canonical order (slot k ascending, or rank d ascending).
+    auto gather = [&](int64_t t, const uint8_t** ptrs, float* ws) {
       int n = 0;
       if (expert) {
         for (int k = 0; k < K; ++k) {
           if (hd.topk_ids[t * K + k] < 0) continue;
-          rows_ptr[n] = copy_of(t, k);
-          wts[n++] = in.weights_used[t * K + k];
+          ptrs[n] = copy_of(t, k);
+          ws[n++] = in.weights_used[t * K + k];
         }
       } else {
         for (int d = 0; d < R; ++d)
-          if (hd.in_rank[t * R + d]) rows_ptr[n++] = copy_of(t, d);
+          if (hd.in_rank[t * R + d]) ptrs[n++] = copy_of(t, d);
       }
+      return n;
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      const int n = gather(t, rows_ptr, wts);
+      // The kernel prefetches ahead within a row; the starts of the next token's rows are fetched here.
+      if (t + 1 < t1) prefetch_row_starts(next_ptr, gather(t + 1, next_ptr, next_wts), row_bytes);
       reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, Hc,
                    in.bias1 ? in.bias1 + t * row_bytes : nullptr,
                    in.bias2 ? in.bias2 + t * row_bytes : nullptr, cx + t * row_bytes);

@@ -174,12 +174,27 @@ constexpr int64_t kPrefetch = 1024;
   return _mm512_cvtph_ps(h);  // f16: exact widening
 }
 
+// Fmt::store of Bf16 on 16 lanes, after acc = +0 + p: round to nearest even, NaN -> 0x7FC0.
+[[gnu::target("avx512f"), gnu::always_inline]] inline __m256i round_bf16_avx512(__m512 p) {
+  const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_setzero_ps(), p));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 template <DType DT, typename Fmt>
 [[gnu::target("avx512f")]] void reduce_avx512(const uint8_t* const* rows, const float* weights, int n,
                                               int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
                                               uint8_t* out) {
   constexpr size_t elem = DT == DType::f32 ? 4 : 2;
   alignas(64) float p[kVecBlock];
+  // Without biases a bf16 row is rounded in registers and written around the cache: combined_x is
+  // written once and not read back by the reduction, so its lines need no read-for-ownership.
+  const bool stream = DT == DType::bf16 && !bias1 && (reinterpret_cast<uintptr_t>(out) & 31) == 0 &&
+                      hidden * static_cast<int64_t>(elem) >= kStreamMin;
   int64_t c0 = 0;
   for (; c0 + kVecBlock <= hidden; c0 += kVecBlock) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -205,12 +220,21 @@ template <DType DT, typename Fmt>
       a2 = _mm512_add_ps(a2, v2);
       a3 = _mm512_add_ps(a3, v3);
     }
+    if (DT == DType::bf16 && stream) {
+      __m256i* o = reinterpret_cast<__m256i*>(out + c0 * elem);
+      _mm256_stream_si256(o, round_bf16_avx512(a0));
+      _mm256_stream_si256(o + 1, round_bf16_avx512(a1));
+      _mm256_stream_si256(o + 2, round_bf16_avx512(a2));
+      _mm256_stream_si256(o + 3, round_bf16_avx512(a3));
+      continue;
+    }
     _mm512_store_ps(p, a0);
     _mm512_store_ps(p + 16, a1);
     _mm512_store_ps(p + 32, a2);
     _mm512_store_ps(p + 48, a3);
     finish_block_t<Fmt>(p, c0, kVecBlock, bias1, bias2, out);
   }
+  if (stream) _mm_sfence();  // order the streaming stores before the tail and whatever publishes the row
   if (c0 < hidden) reduce_block_t<Fmt>(rows, weights, n, c0, hidden, bias1, bias2, out);
 }
 
@@ -292,6 +316,12 @@ ReduceKernels pick_reduce_kernels() {
 const ReduceKernels kReduce = pick_reduce_kernels();
 
 }  // namespace
+
+void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes) {
+  const size_t bytes = std::min<size_t>(row_bytes, 1024);  // the kernels' prefetch distance
+  for (int j = 0; j < n; ++j)
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(rows[j] + off, 0, 3);
+}
 
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                   const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {

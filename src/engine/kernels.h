@@ -22,4 +22,8 @@ void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, in
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                   const uint8_t* bias1, const uint8_t* bias2, uint8_t* out);
 
+// Prefetches the first bytes of each of `n` rows (what reduce_token reads before its own prefetch runs
+// ahead), so that the next token's misses overlap the current token's reduction.
+void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes);
+
 }  // namespace epcomm::engine
