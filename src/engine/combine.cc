@@ -16,6 +16,9 @@ namespace epcomm::engine {
 
 using Clock = std::chrono::steady_clock;
 
+// Combine window half: a few MiB, well inside the L3 the ranks of a host share (see docs/performance.md).
+constexpr size_t kCombineHalfBytes = size_t{4} << 20;
+
 namespace {
 
 // Internode: what a lane's data area holds during a combine (the same W everywhere): the copy window that
@@ -363,8 +366,13 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   const size_t row_bytes = static_cast<size_t>(Hc) * elem;
   const size_t wbytes = in.has_recv_weights ? sizeof(float) * K : 0;
   // Two halves when a window fits in half the area: contributors fill window w + 1 while the origin reduces
-  // w.
-  const size_t half = ctx.layout().data_bytes / 2 / kAlign * kAlign;
+  // w. A half is capped at kCombineHalfBytes so that the copies a contributor writes are still in the
+  // shared cache when the origin reads them (a 32 MiB half went to DRAM and back: two extra touches).
+  size_t half = std::min(kCombineHalfBytes, ctx.layout().data_bytes / 2 / kAlign * kAlign);
+  if (combine_geometry(half, row_bytes, slots, wbytes).window < 1)
+    half = ctx.layout().data_bytes / 2 / kAlign * kAlign;  // one token's slots exceed the cap
+  // Internode: one window at a time (the origin's window, the lanes' copy windows and partials advance
+  // together).
   const bool two = !inter && combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
   const int64_t halves = two ? 2 : 1;
   const size_t area_bytes = two ? half : ctx.layout().data_bytes;
@@ -436,7 +444,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
         local_rows[l] = in.x + row * row_bytes;
         if (wbytes) local_weights[l] = in.recv_weights + row * K;
       } else {
-        copy_row(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
+        // Plain stores: the origin reads this copy within the next window or two, from the cache.
+        std::memcpy(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
         if (wbytes)
           std::memcpy(area + weights_off + idx * geo.weight_stride, in.recv_weights + row * K, wbytes);
       }
@@ -447,6 +456,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   // Origin: reduce window w into combined_x.
   const uint8_t* rows_ptr[1024];
   float wts[1024];
+  const uint8_t* next_ptr[1024];
+  float next_wts[1024];
   uint8_t* cx = out.combined_x.data_as<uint8_t>();
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
   // The copy of slot `slot` of token t in window w: our own expert output in place, or a peer's in the window;
@@ -469,18 +480,25 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
       const size_t idx = static_cast<size_t>(t - t0) * slots + slot;
       return lrow[idx] ? lrow[idx] : win + idx * geo.row_stride;
     };
-    for (int64_t t = t0; t < t1; ++t) {
+    // The contributions of token t in canonical order (slot k ascending, or rank d ascending).
+    auto gather = [&](int64_t t, const uint8_t** ptrs, float* ws) {
       int n = 0;
       if (expert) {
         for (int k = 0; k < K; ++k) {
           if (hd.topk_ids[t * K + k] < 0) continue;
-          rows_ptr[n] = copy_of(t, k);
-          wts[n++] = in.weights_used[t * K + k];
+          ptrs[n] = copy_of(t, k);
+          ws[n++] = in.weights_used[t * K + k];
         }
       } else {
         for (int d = 0; d < R; ++d)
-          if (hd.in_rank[t * R + d]) rows_ptr[n++] = copy_of(t, d);
+          if (hd.in_rank[t * R + d]) ptrs[n++] = copy_of(t, d);
       }
+      return n;
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      const int n = gather(t, rows_ptr, wts);
+      // The kernel prefetches ahead within a row; the starts of the next token's rows are fetched here.
+      if (t + 1 < t1) prefetch_row_starts(next_ptr, gather(t + 1, next_ptr, next_wts), row_bytes);
       reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, Hc,
                    in.bias1 ? in.bias1 + t * row_bytes : nullptr,
                    in.bias2 ? in.bias2 + t * row_bytes : nullptr, cx + t * row_bytes);

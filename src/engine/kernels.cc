@@ -100,19 +100,20 @@ struct F32 {
   }  // canonical NaN (quant.md §1)
 };
 
-constexpr int64_t kBlock = 256;  // fp32 partial sums of one block stay in registers / L1
+constexpr int64_t kBlock = 256;  // fp32 partial sums of one block stay in L1
 
+// Portable loop, also the tail (fewer than kVecBlock elements) of the vector kernels below.
 template <typename Fmt>
-[[gnu::always_inline]] inline void reduce_token_t(const uint8_t* const* rows, const float* weights, int n,
-                                                  int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
-                                                  uint8_t* out) {
+[[gnu::always_inline]] inline void reduce_block_t(const uint8_t* const* rows, const float* weights, int n,
+                                                  int64_t c0, int64_t c1, const uint8_t* bias1,
+                                                  const uint8_t* bias2, uint8_t* out) {
   using T = typename Fmt::T;
   T* o = reinterpret_cast<T*>(out);
   const T* b1 = reinterpret_cast<const T*>(bias1);
   const T* b2 = reinterpret_cast<const T*>(bias2);
   alignas(64) float p[kBlock];
-  for (int64_t c0 = 0; c0 < hidden; c0 += kBlock) {
-    const int64_t m = std::min(kBlock, hidden - c0);
+  for (; c0 < c1; c0 += kBlock) {
+    const int64_t m = std::min(kBlock, c1 - c0);
     for (int64_t i = 0; i < m; ++i) p[i] = 0.0f;
     for (int j = 0; j < n; ++j) {
       const T* x = reinterpret_cast<const T*>(rows[j]) + c0;
@@ -135,23 +136,198 @@ template <typename Fmt>
   }
 }
 
-}  // namespace
+// Rounds one block of fp32 sums (acc = +0 + p, then the biases) into the output.
+template <typename Fmt>
+[[gnu::always_inline]] inline void finish_block_t(const float* p, int64_t c0, int64_t m, const uint8_t* bias1,
+                                                  const uint8_t* bias2, uint8_t* out) {
+  using T = typename Fmt::T;
+  T* o = reinterpret_cast<T*>(out) + c0;
+  const T* b1 = bias1 ? reinterpret_cast<const T*>(bias1) + c0 : nullptr;
+  const T* b2 = bias2 ? reinterpret_cast<const T*>(bias2) + c0 : nullptr;
+  if (!b1) {
+    for (int64_t i = 0; i < m; ++i) o[i] = Fmt::store(0.0f + p[i]);
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    float acc = 0.0f + p[i];
+    acc = acc + Fmt::load(b1[i]);
+    if (b2) acc = acc + Fmt::load(b2[i]);
+    o[i] = Fmt::store(acc);
+  }
+}
 
-// One binary runs everywhere: the loop is compiled for AVX-512, AVX2 and baseline x86-64 and chosen at
-// load time from the CPU's features. Results are identical (no FMA, same order of operations).
+#if defined(__x86_64__)
+// Vector kernels: a block of kVecBlock elements keeps its fp32 sums in registers while every copy of the
+// token is read (the copies are read side by side, block by block), and prefetches each copy kPrefetch
+// bytes ahead so that a token's K streams overlap their misses. Same operations in the same order as
+// reduce_block_t: p = +0; p = p + f32(w * x) per copy; no FMA (mul and add are separate instructions).
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own undefined-vector helpers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+constexpr int64_t kVecBlock = 64;
+constexpr int64_t kPrefetch = 1024;
+
+[[gnu::target("avx512f"), gnu::always_inline]] inline __m512 load16_avx512(DType dt, const uint8_t* x) {
+  if (dt == DType::f32) return _mm512_loadu_ps(x);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if (dt == DType::bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);  // f16: exact widening
+}
+
+// Fmt::store of Bf16 on 16 lanes, after acc = +0 + p: round to nearest even, NaN -> 0x7FC0.
+[[gnu::target("avx512f"), gnu::always_inline]] inline __m256i round_bf16_avx512(__m512 p) {
+  const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_setzero_ps(), p));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <DType DT, typename Fmt>
+[[gnu::target("avx512f")]] void reduce_avx512(const uint8_t* const* rows, const float* weights, int n,
+                                              int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
+                                              uint8_t* out) {
+  constexpr size_t elem = DT == DType::f32 ? 4 : 2;
+  alignas(64) float p[kVecBlock];
+  // Without biases a bf16 row is rounded in registers and written around the cache: combined_x is
+  // written once and not read back by the reduction, so its lines need no read-for-ownership.
+  const bool stream = DT == DType::bf16 && !bias1 && (reinterpret_cast<uintptr_t>(out) & 31) == 0 &&
+                      hidden * static_cast<int64_t>(elem) >= kStreamMin;
+  int64_t c0 = 0;
+  for (; c0 + kVecBlock <= hidden; c0 += kVecBlock) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* x = rows[j] + c0 * elem;
+      _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + 64), _MM_HINT_T0);
+      if constexpr (elem == 4) {
+        _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + 128), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + 192), _MM_HINT_T0);
+      }
+      __m512 v0 = load16_avx512(DT, x), v1 = load16_avx512(DT, x + 16 * elem);
+      __m512 v2 = load16_avx512(DT, x + 32 * elem), v3 = load16_avx512(DT, x + 48 * elem);
+      if (weights) {
+        const __m512 w = _mm512_set1_ps(weights[j]);
+        v0 = _mm512_mul_ps(w, v0);
+        v1 = _mm512_mul_ps(w, v1);
+        v2 = _mm512_mul_ps(w, v2);
+        v3 = _mm512_mul_ps(w, v3);
+      }
+      a0 = _mm512_add_ps(a0, v0);
+      a1 = _mm512_add_ps(a1, v1);
+      a2 = _mm512_add_ps(a2, v2);
+      a3 = _mm512_add_ps(a3, v3);
+    }
+    if (DT == DType::bf16 && stream) {
+      __m256i* o = reinterpret_cast<__m256i*>(out + c0 * elem);
+      _mm256_stream_si256(o, round_bf16_avx512(a0));
+      _mm256_stream_si256(o + 1, round_bf16_avx512(a1));
+      _mm256_stream_si256(o + 2, round_bf16_avx512(a2));
+      _mm256_stream_si256(o + 3, round_bf16_avx512(a3));
+      continue;
+    }
+    _mm512_store_ps(p, a0);
+    _mm512_store_ps(p + 16, a1);
+    _mm512_store_ps(p + 32, a2);
+    _mm512_store_ps(p + 48, a3);
+    finish_block_t<Fmt>(p, c0, kVecBlock, bias1, bias2, out);
+  }
+  if (stream) _mm_sfence();  // order the streaming stores before the tail and whatever publishes the row
+  if (c0 < hidden) reduce_block_t<Fmt>(rows, weights, n, c0, hidden, bias1, bias2, out);
+}
+
+[[gnu::target("avx2"), gnu::always_inline]] inline __m256 load8_avx2(DType dt, const uint8_t* x) {
+  if (dt == DType::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(x));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16
+}
+
+template <DType DT, typename Fmt>
+[[gnu::target("avx2")]] void reduce_avx2(const uint8_t* const* rows, const float* weights, int n,
+                                         int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
+                                         uint8_t* out) {
+  constexpr size_t elem = DT == DType::f32 ? 4 : 2;
+  alignas(64) float p[kVecBlock];
+  int64_t c0 = 0;
+  for (; c0 + kVecBlock <= hidden; c0 += kVecBlock) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* x = rows[j] + c0 * elem;
+      for (size_t l = 0; l < kVecBlock * elem; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + l), _MM_HINT_T0);
+      const __m256 w = _mm256_set1_ps(weights ? weights[j] : 1.0f);
+      for (int i = 0; i < 8; ++i) {
+        __m256 v = load8_avx2(DT, x + 8 * i * elem);
+        if (weights) v = _mm256_mul_ps(w, v);
+        a[i] = _mm256_add_ps(a[i], v);
+      }
+    }
+    for (int i = 0; i < 8; ++i) _mm256_store_ps(p + 8 * i, a[i]);
+    finish_block_t<Fmt>(p, c0, kVecBlock, bias1, bias2, out);
+  }
+  if (c0 < hidden) reduce_block_t<Fmt>(rows, weights, n, c0, hidden, bias1, bias2, out);
+}
+#pragma GCC diagnostic pop
+#endif
+
+// The portable loop, compiled for AVX-512, AVX2 and baseline x86-64 (chosen at load time); used where no
+// hand-written kernel fits (f16 without AVX-512, non-x86).
 #if defined(__x86_64__)
 [[gnu::target_clones("avx512f", "avx2", "default")]]
 #endif
-void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
-                  const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
+void reduce_token_portable(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
+                           const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
   switch (dt) {
     case DType::bf16:
-      return reduce_token_t<Bf16>(rows, weights, n, hidden, bias1, bias2, out);
+      return reduce_block_t<Bf16>(rows, weights, n, 0, hidden, bias1, bias2, out);
     case DType::f16:
-      return reduce_token_t<F16>(rows, weights, n, hidden, bias1, bias2, out);
+      return reduce_block_t<F16>(rows, weights, n, 0, hidden, bias1, bias2, out);
     default:
-      return reduce_token_t<F32>(rows, weights, n, hidden, bias1, bias2, out);
+      return reduce_block_t<F32>(rows, weights, n, 0, hidden, bias1, bias2, out);
   }
+}
+
+using ReduceFn = void (*)(const uint8_t* const*, const float*, int, int64_t, const uint8_t*, const uint8_t*,
+                          uint8_t*);
+struct ReduceKernels {
+  ReduceFn bf16 = nullptr, f16 = nullptr, f32 = nullptr;  // null: the portable loop
+};
+
+// One binary runs everywhere: kernels are chosen once from the CPU's features. Every choice gives the same
+// bits (same operations, same order, no FMA).
+ReduceKernels pick_reduce_kernels() {
+  ReduceKernels k;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    k.bf16 = reduce_avx512<DType::bf16, Bf16>;
+    k.f16 = reduce_avx512<DType::f16, F16>;
+    k.f32 = reduce_avx512<DType::f32, F32>;
+  } else if (__builtin_cpu_supports("avx2")) {
+    k.bf16 = reduce_avx2<DType::bf16, Bf16>;
+    k.f32 = reduce_avx2<DType::f32, F32>;
+  }
+#endif
+  return k;
+}
+const ReduceKernels kReduce = pick_reduce_kernels();
+
+}  // namespace
+
+void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes) {
+  const size_t bytes = std::min<size_t>(row_bytes, 1024);  // the kernels' prefetch distance
+  for (int j = 0; j < n; ++j)
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(rows[j] + off, 0, 3);
+}
+
+void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
+                  const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
+  ReduceFn f = dt == DType::bf16 ? kReduce.bf16 : dt == DType::f16 ? kReduce.f16 : kReduce.f32;
+  if (f) return f(rows, weights, n, hidden, bias1, bias2, out);
+  reduce_token_portable(dt, rows, weights, n, hidden, bias1, bias2, out);
 }
 
 }  // namespace epcomm::engine

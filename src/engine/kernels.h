@@ -29,5 +29,8 @@ void reduce_partial(DType dt, const uint8_t* const* rows, const float* weights, 
                     float* out);
 void finish_partials(DType dt, const float* const* parts, int n, int64_t hidden, const uint8_t* bias1,
                      const uint8_t* bias2, uint8_t* out);
+// Prefetches the first bytes of each of `n` rows (what reduce_token reads before its own prefetch runs
+// ahead), so that the next token's misses overlap the current token's reduction.
+void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes);
 
 }  // namespace epcomm::engine
