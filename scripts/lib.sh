@@ -1,8 +1,9 @@
 # Shared by scripts/build, scripts/test and scripts/demo. Sourced, not run.
 # The Python front (python/, tests/python) needs Debian's torch 1.13, its C++ headers, pybind11 and pytest:
-# about 240 packages with their recommends, ~820 MB installed, 3-4 minutes on 2 cores (once).
+# about 240 packages with their recommends, ~820 MB installed, 3-4 minutes on 2 cores (once). UCX (internode)
+# and iproute2 (the network-namespace test) come along.
 EPCOMM_PACKAGES="cmake ninja-build g++ libgtest-dev python3-torch libtorch-dev pybind11-dev python3-pytest
-  libopenmpi-dev openmpi-bin libucx-dev"
+  libopenmpi-dev openmpi-bin libucx-dev iproute2"
 
 ensure_packages() {
   local missing=()

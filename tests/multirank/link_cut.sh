@@ -46,7 +46,7 @@ if [ ! -e "$marker" ]; then
   kill -9 "${pids[@]}" 2>/dev/null
   exit 1
 fi
-cut_at=$(date +%s.%N)
+cut_at=$(date +%s%N)
 ip -n "$na" link set "$va" down
 echo "link cut at $(date +%T.%N)"
 
@@ -62,8 +62,8 @@ for i in "${!pids[@]}"; do
   fi
   wait "$pid" || { echo "FAIL: rank $i exited with $?"; rc=1; }
 done
-elapsed=$(echo "$(date +%s.%N) - $cut_at" | bc 2>/dev/null || echo "?")
-echo "every rank done ${elapsed} s after the cut (deadline ${deadline_s} s)"
+elapsed_ms=$((($(date +%s%N) - cut_at) / 1000000))
+echo "every rank done ${elapsed_ms} ms after the cut (deadline ${deadline_s} s)"
 shm_after=$(ls /dev/shm | grep -c '^epcomm-' || true)
 if [ "$shm_after" -gt "$shm_before" ]; then
   echo "FAIL: $((shm_after - shm_before)) epcomm entries left in /dev/shm"

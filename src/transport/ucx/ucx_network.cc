@@ -258,17 +258,24 @@ void UcxNetwork::progress_loop() {
 // ---- teardown: bounded by timeout_s, never throws ----
 
 void UcxNetwork::teardown() noexcept {
-  const auto deadline = deadline_after(options_.timeout_s);
+  // Three stages share the deadline. A peer that is unreachable without having failed (a cut link: TCP
+  // notices late) keeps writes in flight or the goodbye pending: then every endpoint is force-closed, which
+  // cancels what is still queued, instead of a flush-close that could not finish before the worker goes
+  // (UCX asserts when a worker is destroyed under pending requests).
+  const auto start = Clock::now();
+  const auto third = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeout_s / 3));
+  bool stuck = false;
   if (progress_.joinable()) {
     // Let writes in flight finish (a dead peer's fail at once), so their memory is no longer read.
-    while (in_flight_.load() > 0 && Clock::now() < deadline)
+    while (in_flight_.load() > 0 && Clock::now() < start + third)
       std::this_thread::sleep_for(std::chrono::microseconds(200));
+    stuck = in_flight_.load() > 0;
   }
-  if (progress_.joinable()) say_goodbye(deadline);
+  if (progress_.joinable() && !stuck) stuck = !say_goodbye(start + 2 * third);
   closing_.store(true);
   for (auto& p : peers_)
     if (p->rkey) ucp_rkey_destroy(p->rkey), p->rkey = nullptr;
-  if (progress_.joinable()) close_endpoints(deadline);
+  if (progress_.joinable()) close_endpoints(start + 3 * third, stuck);
   stop_.store(true);
   if (progress_.joinable()) {
     ucp_worker_signal(worker_);
@@ -284,7 +291,7 @@ void UcxNetwork::teardown() noexcept {
 
 // Tells live peers that the coming disconnect is a close, not a failure (a peer that outlives this Network
 // must not report it as failed). The flush-close that follows delivers the message first.
-void UcxNetwork::say_goodbye(Clock::time_point deadline) noexcept {
+bool UcxNetwork::say_goodbye(Clock::time_point deadline) noexcept {
   std::vector<ucs_status_ptr_t> requests;
   WireHeader bye{0, 0, 0, 0, 0, rank_, kGoodbye};
   for (auto& p : peers_) {
@@ -292,18 +299,20 @@ void UcxNetwork::say_goodbye(Clock::time_point deadline) noexcept {
     ucp_request_param_t rp{};
     requests.push_back(ucp_am_send_nbx(p->ep, kAmWrite, &bye, sizeof bye, nullptr, 0, &rp));
   }
-  for (ucs_status_ptr_t req : requests) wait_request(req, deadline);
+  bool all = true;
+  for (ucs_status_ptr_t req : requests) all = wait_request(req, deadline) != UCS_ERR_TIMED_OUT && all;
+  return all;
 }
 
-// Flush-close endpoints to live peers (what we sent is delivered), force-close failed ones; the progress
-// thread drives the close requests.
-void UcxNetwork::close_endpoints(Clock::time_point deadline) noexcept {
+// Flush-close endpoints to live peers (what we sent is delivered), force-close failed ones (all of them when
+// `force`); the progress thread drives the close requests.
+void UcxNetwork::close_endpoints(Clock::time_point deadline, bool force) noexcept {
   std::vector<ucs_status_ptr_t> requests;
   for (auto& p : peers_) {
     if (!p->ep) continue;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = p->failed.load() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    rp.flags = force || p->failed.load() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     requests.push_back(ucp_ep_close_nbx(p->ep, &rp));
     p->ep = nullptr;
   }

@@ -146,7 +146,7 @@ class UcxNetwork final : public Network {
                uint64_t region_address);
   void wait_wireup();
   void teardown() noexcept;
-  void close_endpoints(Clock::time_point deadline) noexcept;
+  void close_endpoints(Clock::time_point deadline, bool force) noexcept;
 
   // Data path.
   Peer& peer_of(int rank, const char* what);
@@ -163,7 +163,7 @@ class UcxNetwork final : public Network {
   void land(Peer& p, const WireHeader& h, bool has_signal);
   void record_failure(Peer& p, const std::string& message);
   void depart(Peer& p);
-  void say_goodbye(Clock::time_point deadline) noexcept;
+  bool say_goodbye(Clock::time_point deadline) noexcept;  // false: a goodbye did not go out in time
   void notify(int peer_rank);
 
   // Progress thread.
