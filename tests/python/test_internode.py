@@ -1,0 +1,53 @@
+"""The Python front across virtual nodes (docs/internode.md): the same problem on one node and on two nodes
+of two ranks (ranks_per_node=2, UCX over TCP) gives bitwise identical dispatch outputs and handles, and a
+rank_major combine of the fed-back rows equal bit for bit (sums of equal values do not depend on the
+partition); expert_major combines agree to f32 rounding (spec §6: partials may associate differently)."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import epcomm
+from harness import spawn
+
+
+def _body(rank, world):
+    E, K, H, T = 8 * world, 4, 96, 37 + 5 * rank
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
+    ids[::7, 1] = -1
+    ws = torch.rand(T, K, generator=g)
+    one = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, ranks_per_node=world)
+    two = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_rdma_bytes=16 << 20, ranks_per_node=2)
+    assert one.num_nodes == 1 and two.num_nodes == world // 2, (one.num_nodes, two.num_nodes)
+    per_rdma = two.get_dispatch_layout(ids, E)[1]
+    assert per_rdma is not None and per_rdma.shape == (world // 2,), per_rdma
+    for order in ("expert_major", "rank_major"):
+        outs = []
+        for buf in (one, two):
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
+            recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=ids, topk_weights=ws, receive_order=order)
+            cx, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w if order == "rank_major" else None)
+            outs.append((recv_x, recv_idx, recv_w, lst, handle.recv_src_rank, handle.recv_src_token, cx, cw))
+        a, b = outs
+        for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+            assert torch.equal(a[i].view(torch.uint8) if a[i].dtype == torch.bfloat16 else a[i],
+                               b[i].view(torch.uint8) if b[i].dtype == torch.bfloat16 else b[i]), (order, name)
+        assert a[3] == b[3], (order, "list")
+        assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5]), (order, "handle sources")
+        if order == "rank_major":
+            assert torch.equal(a[6].view(torch.uint8), b[6].view(torch.uint8)), "rank_major combine differs"
+            assert torch.equal(a[7], b[7]), "rank_major combined weights differ"
+        else:
+            assert torch.allclose(a[6].float(), b[6].float(), rtol=1e-2, atol=1e-2), "expert_major combine"
+    two.destroy()
+    one.destroy()
+
+
+@pytest.mark.parametrize("world", [4])
+def test_two_virtual_nodes_match_one_node(world):
+    spawn(_body, world, env={"UCX_TLS": "tcp"})
