@@ -14,7 +14,9 @@ FIELDS = [
     "time_us_median", "time_us_min", "time_us_p99", "time_us_max", "gbps", "gbps_bf16_equiv", "memcpy_gbps",
     "ratio_to_memcpy", "baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified",
     "verified", "segment_bytes", "peak_rss_mb", "peak_rss_mb_per_rank",
+    "nodes", "network_bytes", "network_gbps", "link_gbps", "ratio_to_link",
 ]
+NETWORK = ["network_bytes", "network_gbps", "link_gbps", "ratio_to_link"]
 BASELINE = ["baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified"]
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -39,6 +41,13 @@ def check_lines(args, out, err):
             fail(f"peak_rss_mb_per_rank does not have one value per rank with peak_rss_mb as its max: {j}", out, err)
         if abs(j["ratio_to_memcpy"] - j["gbps"] / j["memcpy_gbps"]) > 0.0015 + 0.002 * j["ratio_to_memcpy"]:
             fail(f"ratio_to_memcpy != gbps / memcpy_gbps: {j}", out, err)
+        if args.nodes > 1:
+            if j["nodes"] != args.nodes or not all(j[f] is not None and j[f] > 0 for f in NETWORK):
+                fail(f"expected {args.nodes} nodes with positive network fields: {j}", out, err)
+            if abs(j["ratio_to_link"] - j["network_gbps"] / j["link_gbps"]) > 0.0015 + 0.002 * j["ratio_to_link"]:
+                fail(f"ratio_to_link != network_gbps / link_gbps: {j}", out, err)
+        elif j["nodes"] != 1 or any(j[f] is not None for f in NETWORK):
+            fail(f"one node: nodes must be 1 and the network fields null: {j}", out, err)
         if args.baseline:
             if not (j["baseline_gbps"] > 0 and j["speedup_vs_baseline"] > 0 and j["baseline_verified"] is True):
                 fail(f"baseline not measured, or not verified: {j}", out, err)
@@ -79,6 +88,7 @@ def main():
     ap.add_argument("--lines", type=int, required=True, help="JSON lines expected")
     ap.add_argument("--baseline", action="store_true", help="expect the MPI baseline measured and verified")
     ap.add_argument("--plot", help="the --plot file the command writes")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes the run spans (network fields then required)")
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args()

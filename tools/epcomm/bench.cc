@@ -187,8 +187,10 @@ DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Input
 }
 
 std::unique_ptr<AlltoallvBaseline> make_baseline(const RunOptions& ro, ReceiveOrder order, Bootstrap& bs,
-                                                 const Inputs& in) {
+                                                 const Inputs& in, Buffer& buffer) {
   BaselineInputs bi;
+  if (buffer.num_nodes() > 1)  // the reduction then goes node by node (spec §5.1), as epcomm's does
+    for (int r = 0; r < bs.size(); ++r) bi.node_of_rank.push_back(buffer.node_of(r));
   bi.rank = bs.rank();
   bi.ranks = bs.size();
   bi.tokens = ro.tokens;
@@ -245,7 +247,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     config->num_threads = o.threads_flag;
   }
   const DispatchArgs da = dispatch_args(ro, order, in, config);
-  std::unique_ptr<AlltoallvBaseline> baseline = with_baseline ? make_baseline(ro, order, bs, in) : nullptr;
+  std::unique_ptr<AlltoallvBaseline> baseline = with_baseline ? make_baseline(ro, order, bs, in, buffer) : nullptr;
 
   OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);

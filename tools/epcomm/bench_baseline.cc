@@ -279,29 +279,47 @@ void AlltoallvBaseline::combine(const std::byte* expert_out, const float* recv_w
   // f32 with no FMA (the build forbids contraction), one rounding to the dtype.
   s.combined_x.resize(static_cast<size_t>(T * rb));
   s.combined_w.resize(static_cast<size_t>(T * K));
-  std::vector<float> acc(static_cast<size_t>(H)), row(static_cast<size_t>(H));
+  // Across nodes: per node in ascending order, a partial from +0.0, added to the total (never rounded).
+  const std::vector<int>& node_of = s.in.node_of_rank;
+  const int M = node_of.empty() ? 1 : *std::max_element(node_of.begin(), node_of.end()) + 1;
+  auto node = [&](int rank) { return node_of.empty() ? 0 : node_of[rank]; };
+  std::vector<float> acc(static_cast<size_t>(H)), part(static_cast<size_t>(H)), row(static_cast<size_t>(H));
+  std::vector<float> wacc(static_cast<size_t>(K)), wpart(static_cast<size_t>(K));
   for (int64_t t = 0; t < T; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(wacc.begin(), wacc.end(), 0.0f);
     float* cw = s.combined_w.data() + t * K;
-    if (em) {
-      for (int k = 0; k < K; ++k) {
-        const int64_t p = s.send_pos[t * K + k];
-        cw[k] = p < 0 ? 0.0f : s.in.weights[t * K + k];
-        if (p < 0) continue;
-        load_row(s.in.dtype, s.send_x.data() + p * rb, H, row.data());
-        const float w = cw[k];
-        for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + w * row[h];
+    for (int n = 0; n < M; ++n) {
+      std::fill(part.begin(), part.end(), 0.0f);
+      std::fill(wpart.begin(), wpart.end(), 0.0f);
+      bool any = false;
+      if (em) {
+        for (int k = 0; k < K; ++k) {
+          const int64_t p = s.send_pos[t * K + k];
+          if (p < 0 || node(static_cast<int>(s.in.ids[t * K + k] / L)) != n) continue;
+          any = true;
+          load_row(s.in.dtype, s.send_x.data() + p * rb, H, row.data());
+          const float w = s.in.weights[t * K + k];
+          for (int64_t h = 0; h < H; ++h) part[h] = part[h] + w * row[h];
+        }
+      } else {
+        for (int d = 0; d < R; ++d) {
+          const int64_t p = s.send_pos[t * R + d];
+          if (p < 0 || node(d) != n) continue;
+          any = true;
+          load_row(s.in.dtype, s.send_x.data() + p * rb, H, row.data());
+          for (int64_t h = 0; h < H; ++h) part[h] = part[h] + row[h];
+          for (int k = 0; k < K; ++k) wpart[k] = wpart[k] + s.back_w[p * K + k];
+        }
       }
-    } else {
-      std::fill(cw, cw + K, 0.0f);
-      for (int d = 0; d < R; ++d) {
-        const int64_t p = s.send_pos[t * R + d];
-        if (p < 0) continue;
-        load_row(s.in.dtype, s.send_x.data() + p * rb, H, row.data());
-        for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + row[h];
-        for (int k = 0; k < K; ++k) cw[k] = cw[k] + s.back_w[p * K + k];
-      }
+      if (!any) continue;
+      for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + part[h];
+      for (int k = 0; k < K; ++k) wacc[k] = wacc[k] + wpart[k];
     }
+    if (em)
+      for (int k = 0; k < K; ++k) cw[k] = s.send_pos[t * K + k] < 0 ? 0.0f : s.in.weights[t * K + k];
+    else
+      std::copy(wacc.begin(), wacc.end(), cw);
     store_row(s.in.dtype, acc.data(), H, s.combined_x.data() + t * rb);
   }
 }

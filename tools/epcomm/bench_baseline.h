@@ -34,6 +34,7 @@ struct BaselineInputs {
   const std::byte* x = nullptr;
   const int64_t* ids = nullptr;
   const float* weights = nullptr;
+  std::vector<int> node_of_rank;  // empty: one node; else the node partition, for the §5.1 reduction order
 };
 
 // Dispatch and combine over MPI_COMM_WORLD with MPI_Alltoallv, producing epcomm's outputs bit for bit:
