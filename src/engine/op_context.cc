@@ -30,7 +30,15 @@ void OpContext::notify(int r) const {
 uint64_t OpContext::write_lane(int peer, const Network::Piece* pieces, int n, size_t offset,
                                size_t signal_offset, uint64_t value) const {
   const size_t lane = inter_->lane_offset(inter_->topo.node());
-  const uint64_t t = inter_->net->write_signal(peer, pieces, n, lane + offset, lane + signal_offset, value);
+  uint64_t t = 0;
+  try {
+    t = inter_->net->write_signal(peer, pieces, n, lane + offset, lane + signal_offset, value);
+  } catch (const Error&) {
+    // A peer that failed tells its rail peers before it goes: report its reason (naming the first culprit)
+    // rather than the closed connection it left behind.
+    check_peers_alive();
+    throw;
+  }
   inter_->last_ticket = std::max(inter_->last_ticket, t);
   return t;
 }
