@@ -135,7 +135,11 @@ void Buffer::Impl::setup_internode(const std::string& pre) {
 
   node_bootstrap = make_subgroup_bootstrap(group->bootstrap(), t.node_ranks[t.node()],
                                            detail::cat("n", t.node()));
-  transport = make_shm_transport(*node_bootstrap, inter->lanes_offset + region, group->next_instance());
+  // Virtual nodes share this host's cores: waiters may spin only if every rank *on the host* has a core.
+  const int host_ranks = static_cast<int>(
+      std::count(group->hosts().begin(), group->hosts().end(), group->hosts()[static_cast<size_t>(rank)]));
+  transport =
+      make_shm_transport(*node_bootstrap, inter->lanes_offset + region, group->next_instance(), host_ranks);
 
   NetworkOptions no;
   for (int n = 0; n < M; ++n)

@@ -38,6 +38,9 @@ class Transport {
 
 // Shared memory between the ranks of one host (transport/shm/). Collective over `bootstrap`.
 // Every name is unlinked before this returns, so nothing is left in /dev/shm even after kill -9.
-std::unique_ptr<Transport> make_shm_transport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance);
+// `host_ranks`: the ranks running on this host (of any group), which decides whether waiters may spin
+// (env::spin_count); 0 = the bootstrap's size.
+std::unique_ptr<Transport> make_shm_transport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance,
+                                              int host_ranks = 0);
 
 }  // namespace epcomm

@@ -40,7 +40,7 @@ long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts
 
 class ShmTransport final : public Transport {
  public:
-  ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance);
+  ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks);
   ~ShmTransport() override;
 
   int rank() const override { return rank_; }
@@ -62,9 +62,9 @@ class ShmTransport final : public Transport {
   std::vector<std::string> names_;
 };
 
-ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance)
+ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks)
     : rank_(bootstrap.rank()), size_(bootstrap.size()), bytes_(segment_bytes), maps_(size_, nullptr) {
-  spins_ = env::spin_count(size_);
+  spins_ = env::spin_count(host_ranks > 0 ? host_ranks : size_);
   const size_t total = segment_bytes + kShmHeaderBytes;
   std::string own = detail::cat("/epcomm-", bootstrap.unique_id(), "-", instance, "-r", rank_);
   EPCOMM_CHECK_LT(own.size(), kNameBytes, "shared-memory name too long");
@@ -159,8 +159,9 @@ void ShmTransport::notify(int r) const {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_shm_transport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance) {
-  return std::make_unique<ShmTransport>(bootstrap, segment_bytes, instance);
+std::unique_ptr<Transport> make_shm_transport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance,
+                                              int host_ranks) {
+  return std::make_unique<ShmTransport>(bootstrap, segment_bytes, instance, host_ranks);
 }
 
 }  // namespace epcomm
