@@ -13,17 +13,17 @@ function(epcomm_add_unit_test file)
 endfunction()
 
 # epcomm_add_multirank_test(<case> LAUNCHERS thread fork NP 1 2 4 [TIMEOUT s] [LABELS extra...]
-#                           [ENVIRONMENT VAR=value...]):
-# registers <case>.<launcher>.np<N> running the `multirank_tests` driver. Exit code 77 means skipped.
+#                           [ENVIRONMENT VAR=value...] [SUFFIX s]):
+# registers <case>.<launcher>.np<N><s> running the `multirank_tests` driver. Exit code 77 means skipped.
 # Every test is labelled `multirank` (threads) or `multiproc` (forked ranks), plus the extra LABELS.
 function(epcomm_add_multirank_test case)
-  cmake_parse_arguments(ARG "" "TIMEOUT" "LAUNCHERS;NP;LABELS;ENVIRONMENT" ${ARGN})
+  cmake_parse_arguments(ARG "" "TIMEOUT;SUFFIX" "LAUNCHERS;NP;LABELS;ENVIRONMENT" ${ARGN})
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 120)
   endif()
   foreach(launcher ${ARG_LAUNCHERS})
     foreach(np ${ARG_NP})
-      set(test_name ${case}.${launcher}.np${np})
+      set(test_name ${case}.${launcher}.np${np}${ARG_SUFFIX})
       add_test(NAME ${test_name} COMMAND multirank_tests --case ${case} --launcher ${launcher} --np ${np})
       if(launcher STREQUAL "fork")
         set(label multiproc)
