@@ -126,15 +126,15 @@ void Buffer::Impl::setup_internode(const std::string& pre) {
   const int64_t rdma = options.num_rdma_bytes ? options.num_rdma_bytes : kDefaultSegmentBytes;
   inter->lane_bytes = static_cast<size_t>(rdma / M) / 4096 * 4096;
   const size_t minimum = engine::lane_overhead_bytes(P, R) + 4096;
-  EPCOMM_CHECK(inter->lane_bytes >= minimum, pre, "capacity: num_rdma_bytes = ", rdma, " gives each of the ", M,
-               " nodes a lane of ", inter->lane_bytes, " bytes, below the minimum of ", minimum,
+  EPCOMM_CHECK(inter->lane_bytes >= minimum, pre, "capacity: num_rdma_bytes = ", rdma, " gives each of the ",
+               M, " nodes a lane of ", inter->lane_bytes, " bytes, below the minimum of ", minimum,
                " (num_rdma_bytes >= ", minimum * M, ")");
   inter->lane = engine::carve_lane(inter->lane_bytes, P, R);
   inter->lanes_offset = (static_cast<size_t>(nvl_bytes) + 4095) / 4096 * 4096;
   const size_t region = inter->lane_bytes * M;
 
-  node_bootstrap = make_subgroup_bootstrap(group->bootstrap(), t.node_ranks[t.node()],
-                                           detail::cat("n", t.node()));
+  node_bootstrap =
+      make_subgroup_bootstrap(group->bootstrap(), t.node_ranks[t.node()], detail::cat("n", t.node()));
   // Virtual nodes share this host's cores: waiters may spin only if every rank *on the host* has a core.
   const int host_ranks = static_cast<int>(
       std::count(group->hosts().begin(), group->hosts().end(), group->hosts()[static_cast<size_t>(rank)]));

@@ -50,7 +50,8 @@ int64_t min_nvl_bytes(int64_t row_bytes, int num_topk, int num_ranks, int /*rank
 
 // Internode: every rank keeps one lane per node (engine/internode.h); a lane must hold the lane's control
 // part and one token's dispatch entry (two halves) or combine window (copies, routing, f32 partial).
-static int64_t rdma_bytes_for(int64_t row_bytes, int num_topk, int num_ranks, int ranks_per_node, int64_t tokens) {
+static int64_t rdma_bytes_for(int64_t row_bytes, int num_topk, int num_ranks, int ranks_per_node,
+                              int64_t tokens) {
   using namespace engine;
   if (ranks_per_node <= 0 || ranks_per_node >= num_ranks) return 0;  // one node: no internode staging
   EPCOMM_CHECK(num_ranks % ranks_per_node == 0, "ranks_per_node = ", ranks_per_node,
@@ -60,17 +61,20 @@ static int64_t rdma_bytes_for(int64_t row_bytes, int num_topk, int num_ranks, in
   const size_t row = align64(static_cast<size_t>(row_bytes));
   const size_t dispatch = 2 * (align64(8 + 4 * static_cast<size_t>(tokens)) + tokens * (meta + row));
   const int slots = std::max(num_topk, num_ranks);
-  const size_t combine = static_cast<size_t>(tokens) * slots * (row + align64(4 * static_cast<size_t>(num_topk))) +
-                         align64(8 + tokens * (4 + 8 * static_cast<size_t>(num_topk) + num_ranks)) +
-                         tokens * align64(2 * static_cast<size_t>(row_bytes) + 4 * num_topk) + 3 * kAlign;
-  const size_t lane = lane_overhead_bytes(ranks_per_node, num_ranks) + std::max<size_t>(std::max(dispatch, combine), 4096);
+  const size_t combine =
+      static_cast<size_t>(tokens) * slots * (row + align64(4 * static_cast<size_t>(num_topk))) +
+      align64(8 + tokens * (4 + 8 * static_cast<size_t>(num_topk) + num_ranks)) +
+      tokens * align64(2 * static_cast<size_t>(row_bytes) + 4 * num_topk) + 3 * kAlign;
+  const size_t lane =
+      lane_overhead_bytes(ranks_per_node, num_ranks) + std::max<size_t>(std::max(dispatch, combine), 4096);
   return static_cast<int64_t>(M) * static_cast<int64_t>((lane + 4095) / 4096 * 4096);
 }
 
 int64_t min_rdma_bytes(int64_t row_bytes, int num_topk, int num_ranks, int ranks_per_node) {
-  EPCOMM_CHECK(row_bytes >= 1 && num_topk >= 0 && num_ranks >= 1 && ranks_per_node >= 0,
-               "min_rdma_bytes: row_bytes >= 1, num_topk >= 0, num_ranks >= 1 and ranks_per_node >= 0 required, got ",
-               row_bytes, ", ", num_topk, ", ", num_ranks, ", ", ranks_per_node);
+  EPCOMM_CHECK(
+      row_bytes >= 1 && num_topk >= 0 && num_ranks >= 1 && ranks_per_node >= 0,
+      "min_rdma_bytes: row_bytes >= 1, num_topk >= 0, num_ranks >= 1 and ranks_per_node >= 0 required, got ",
+      row_bytes, ", ", num_topk, ", ", num_ranks, ", ", ranks_per_node);
   return rdma_bytes_for(row_bytes, num_topk, num_ranks, ranks_per_node, 1);
 }
 

@@ -40,8 +40,9 @@ void create_context(Group& group, const GroupContextOptions& options) {
   // The operator family runs on one host's shared memory (docs/internode.md: across nodes only the
   // normal-mode Buffer for now). Every rank sees the same host list, so every rank raises the same error.
   for (int r = 1; r < group.size(); ++r)
-    EPCOMM_CHECK(group.hosts()[r] == group.hosts()[0], pre, "argument: the ranks span several hosts (rank 0 on '",
-                 group.hosts()[0], "', rank ", r, " on '", group.hosts()[r],
+    EPCOMM_CHECK(group.hosts()[r] == group.hosts()[0], pre,
+                 "argument: the ranks span several hosts (rank 0 on '", group.hosts()[0], "', rank ", r,
+                 " on '", group.hosts()[r],
                  "'); the distribute-v2 operators across nodes (comm_alg=\"hierarchy\") are not supported by "
                  "epcomm yet: use the normal-mode Buffer across nodes, or one group per host");
   auto ctx = std::make_shared<GroupContext>();

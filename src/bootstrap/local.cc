@@ -127,8 +127,9 @@ class LocalBootstrap final : public Bootstrap {
 
   void connect_as_root() {
     const Deadline deadline(timeout_);
-    listener_ = bootstrap_detail::is_tcp_endpoint(job_id_) ? bootstrap_detail::listen_tcp(job_id_)
-                                                          : bootstrap_detail::listen_abstract(socket_name(job_id_));
+    listener_ = bootstrap_detail::is_tcp_endpoint(job_id_)
+                    ? bootstrap_detail::listen_tcp(job_id_)
+                    : bootstrap_detail::listen_abstract(socket_name(job_id_));
     const int listener = listener_.get();
     peers_.resize(static_cast<size_t>(size_));
     struct Pending {

@@ -112,7 +112,8 @@ static sockaddr_in tcp_address(const std::string& endpoint) {
   const long port = colon == std::string::npos ? -1 : std::strtol(rest.c_str() + colon + 1, &end, 10);
   const bool ok = colon != std::string::npos && end && *end == '\0' && port > 0 && port < 65536 &&
                   ::inet_pton(AF_INET, rest.substr(0, colon).c_str(), &a.sin_addr) == 1;
-  EPCOMM_CHECK(ok, "bootstrap: endpoint '", endpoint, "': expected tcp://A.B.C.D:PORT (numeric IPv4, port 1..65535)");
+  EPCOMM_CHECK(ok, "bootstrap: endpoint '", endpoint,
+               "': expected tcp://A.B.C.D:PORT (numeric IPv4, port 1..65535)");
   a.sin_port = htons(static_cast<uint16_t>(port));
   return a;
 }
@@ -134,7 +135,8 @@ Fd listen_tcp(const std::string& endpoint) {
     int err = errno;
     if (err == EADDRINUSE)
       EPCOMM_THROW(InvalidUsage, "bootstrap: ", endpoint, " is already in use: another job listens there");
-    EPCOMM_THROW(SystemError, "bootstrap: bind(", endpoint, ") failed: ", std::strerror(err), " (errno ", err, ")");
+    EPCOMM_THROW(SystemError, "bootstrap: bind(", endpoint, ") failed: ", std::strerror(err), " (errno ", err,
+                 ")");
   }
   EPCOMM_CHECK_ERRNO(::listen(fd.get(), SOMAXCONN));
   return fd;
@@ -158,7 +160,8 @@ Fd try_connect_tcp(const std::string& endpoint) {
   if (err == ECONNREFUSED || err == EINTR || err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH ||
       err == EAGAIN)
     return Fd();
-  EPCOMM_THROW(SystemError, "bootstrap: connect(", endpoint, ") failed: ", std::strerror(err), " (errno ", err, ")");
+  EPCOMM_THROW(SystemError, "bootstrap: connect(", endpoint, ") failed: ", std::strerror(err), " (errno ",
+               err, ")");
 }
 
 Fd accept_pending(int listen_fd) {

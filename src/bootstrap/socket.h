@@ -44,7 +44,9 @@ Fd try_connect_abstract(const std::string& name);
 // The same over TCP, for ranks on different hosts or network namespaces: `endpoint` is "tcp://A.B.C.D:PORT".
 Fd listen_tcp(const std::string& endpoint);
 Fd try_connect_tcp(const std::string& endpoint);
-inline bool is_tcp_endpoint(const std::string& s) { return s.rfind("tcp://", 0) == 0; }
+inline bool is_tcp_endpoint(const std::string& s) {
+  return s.rfind("tcp://", 0) == 0;
+}
 
 // Accepts one pending connection without blocking; an invalid Fd when none is pending.
 Fd accept_pending(int listen_fd);

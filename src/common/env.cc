@@ -16,7 +16,8 @@ const Knob kKnobs[] = {
     {"DEEP_NORMAL_MODE_USE_INT8_QUANT", "0", "1: dispatch quantizes to int8 when quant_mode is not given"},
     {"EPCOMM_NORMAL_INT8", "0", "same as DEEP_NORMAL_MODE_USE_INT8_QUANT"},
     {"EPCOMM_SPIN", "auto",
-     "polls of a doorbell before a waiter sleeps on its futex (auto: 20000, about 0.5 ms, or 16 when ranks outnumber "
+     "polls of a doorbell before a waiter sleeps on its futex (auto: 20000, about 0.5 ms, or 16 when ranks "
+     "outnumber "
      "cores)"},
     {"EPCOMM_RANKS_PER_NODE", "0",
      "node partition of Buffers created with ranks_per_node = 0: P > 0 splits the ranks into nodes of P "

@@ -123,9 +123,9 @@ class Hierarchy {
         }
       }
       Network::Piece piece{buf.data(), buf.size()};
-      last_routing_ = std::max(last_routing_, ctx_.write_lane(inter_->topo.rail(n), &piece, 1,
-                                                             inter_->lane.data + cl_.meta_off,
-                                                             offsetof(LaneControl, meta_ready), pack(seq_, w + 1)));
+      last_routing_ = std::max(
+          last_routing_, ctx_.write_lane(inter_->topo.rail(n), &piece, 1, inter_->lane.data + cl_.meta_off,
+                                         offsetof(LaneControl, meta_ready), pack(seq_, w + 1)));
     }
   }
 
@@ -150,8 +150,8 @@ class Hierarchy {
         const std::vector<int32_t>& list = tokens_[n];
         if (reduce_cursor_[n] >= list.size() || list[reduce_cursor_[n]] != t) continue;
         ++reduce_cursor_[n];
-        const float* p = reinterpret_cast<const float*>(ctx_.lane_base(me_, n) + inter_->lane.data + cl_.partial_off +
-                                                        entry[n]++ * cl_.partial_stride);
+        const float* p = reinterpret_cast<const float*>(ctx_.lane_base(me_, n) + inter_->lane.data +
+                                                        cl_.partial_off + entry[n]++ * cl_.partial_stride);
         wparts[np] = p + in_.hidden;
         parts[np++] = p;
       }
@@ -181,7 +181,8 @@ class Hierarchy {
           if (d != me_) ctx_.notify(d);
         progressed = true;
       }
-      if (p.reduced < p.opened && contributors_done(p, n) && (p.ticket == 0 || inter_->net->complete(p.ticket))) {
+      if (p.reduced < p.opened && contributors_done(p, n) &&
+          (p.ticket == 0 || inter_->net->complete(p.ticket))) {
         send_partials(p, n);
         ++p.reduced;
         progressed = true;
@@ -252,7 +253,8 @@ class Hierarchy {
 
   bool contributors_done(const Proxied& p, int n) const {
     for (int d : p.contributors)
-      if (ctx_.cell(p.source, d)->done.load(std::memory_order_acquire) < pack(seq_, p.reduced + 1)) return false;
+      if (ctx_.cell(p.source, d)->done.load(std::memory_order_acquire) < pack(seq_, p.reduced + 1))
+        return false;
     (void)n;
     return true;
   }
@@ -301,7 +303,8 @@ class Hierarchy {
     }
     Network::Piece piece{p.partials.data(), p.partials.size() * sizeof(float)};
     p.ticket = ctx_.write_lane(p.source, &piece, 1, inter_->lane.data + cl_.partial_off,
-                               offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done), pack(seq_, p.reduced + 1));
+                               offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done),
+                               pack(seq_, p.reduced + 1));
   }
 
   OpContext& ctx_;
@@ -379,15 +382,18 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   CombineGeometry geo = combine_geometry(area_bytes, row_bytes, slots, wbytes);
   // Internode routing entry: token index, then K expert ids and K weights (expert_major) or R destination
   // flags (rank_major). Partial: H' f32, then K f32 of reduced receiving-side weights (rank_major).
-  const size_t meta_entry = expert ? 4 + 8 * static_cast<size_t>(K) : (4 + static_cast<size_t>(R) + 3) / 4 * 4;
-  const size_t partial_bytes = 4 * static_cast<size_t>(Hc) + (!expert && wbytes ? 4 * static_cast<size_t>(K) : 0);
+  const size_t meta_entry =
+      expert ? 4 + 8 * static_cast<size_t>(K) : (4 + static_cast<size_t>(R) + 3) / 4 * 4;
+  const size_t partial_bytes =
+      4 * static_cast<size_t>(Hc) + (!expert && wbytes ? 4 * static_cast<size_t>(K) : 0);
   CombineLane cl;
   if (inter) {
     cl = combine_lane(inter->lane.data_bytes, geo, geo.window, meta_entry, partial_bytes);
     if (geo.window >= 1 && cl.window < 1)
       EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane_bytes * M,
-                   " (one lane of ", inter->lane_bytes, " bytes per node) cannot hold the copies of one token (",
-                   slots, " x ", row_bytes, " bytes) with its routing and f32 partial; the minimum for this call is ",
+                   " (one lane of ", inter->lane_bytes,
+                   " bytes per node) cannot hold the copies of one token (", slots, " x ", row_bytes,
+                   " bytes) with its routing and f32 partial; the minimum for this call is ",
                    M * (lane_overhead_bytes(inter->topo.ranks_per_node, R) +
                         combine_min_data_bytes(row_bytes, slots, wbytes) + 3 * kAlign + meta_entry +
                         align64(partial_bytes)));
@@ -460,15 +466,16 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   float next_wts[1024];
   uint8_t* cx = out.combined_x.data_as<uint8_t>();
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
-  // The copy of slot `slot` of token t in window w: our own expert output in place, or a peer's in the window;
-  // with its receiving-side weights (rank_major).
+  // The copy of slot `slot` of token t in window w: our own expert output in place, or a peer's in the
+  // window; with its receiving-side weights (rank_major).
   auto reduce_copy_of = [&](int64_t w, int64_t t, int slot) -> std::pair<const uint8_t*, const float*> {
     const uint8_t* win = my_area + static_cast<size_t>(w % halves) * area_bytes;
     const size_t idx = static_cast<size_t>(t - w * W) * slots + slot;
     const size_t l = static_cast<size_t>(w % halves) * WL * slots + idx;
     const uint8_t* row = local_rows[l] ? local_rows[l] : win + idx * geo.row_stride;
-    const float* g = local_weights[l] ? local_weights[l]
-                                      : reinterpret_cast<const float*>(win + weights_off + idx * geo.weight_stride);
+    const float* g = local_weights[l]
+                         ? local_weights[l]
+                         : reinterpret_cast<const float*>(win + weights_off + idx * geo.weight_stride);
     return {row, g};
   };
   auto reduce = [&](int64_t w) {
@@ -558,8 +565,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
           all = all && filled[s] == nwin[s];
         }
         if (reduced < opened && contributors_done(reduced)) {
-          if (inter)
-          {
+          if (inter) {
             hier.reduce(reduced, [&](int64_t t, int slot) { return reduce_copy_of(reduced, t, slot); });
             std::fill(local_rows.begin(), local_rows.end(), nullptr);  // one window at a time internode
             std::fill(local_weights.begin(), local_weights.end(), nullptr);

@@ -76,7 +76,12 @@ struct StagedWindow {
   static StagedWindow compact(const uint8_t* half, size_t row_stride, size_t meta_stride) {
     const int64_t n = *reinterpret_cast<const int32_t*>(half);
     const CompactWindow c = compact_window(n, meta_stride, row_stride);
-    return {n, 0, reinterpret_cast<const int32_t*>(half + 8), half + c.rows_off, half + c.meta_off, row_stride,
+    return {n,
+            0,
+            reinterpret_cast<const int32_t*>(half + 8),
+            half + c.rows_off,
+            half + c.meta_off,
+            row_stride,
             meta_stride};
   }
   int64_t token(int64_t e) const { return tokens ? tokens[e] : t0 + e; }
@@ -471,9 +476,9 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
 
   auto pull = [&](int s, int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);
-    const StagedWindow win = ctx.remote(s) ? StagedWindow::compact(ctx.data(s) + (w % 2) * lane_half, geo.row_stride, net_meta)
-                                           : StagedWindow::local(ctx.data(s) + (w % 2) * geo.half_bytes, geo,
-                                                                 W, t0, t1 - t0);
+    const StagedWindow win =
+        ctx.remote(s) ? StagedWindow::compact(ctx.data(s) + (w % 2) * lane_half, geo.row_stride, net_meta)
+                      : StagedWindow::local(ctx.data(s) + (w % 2) * geo.half_bytes, geo, W, t0, t1 - t0);
     if (in.cached) {
       const int32_t* src_tok = hd->recv_src_token.data_as<int32_t>();
       int64_t& pos = cached_pos[s];
@@ -593,7 +598,9 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         // Done once every window is staged and acknowledged (so that the next call may reuse the area)
         // and every source's windows are pulled.
         bool all = staged == my_nwin && can_stage(my_nwin + 1);
-        if (inter) all = forward_acks(progressed) && all && all_sent(my_nwin) && (last_ticket == 0 || inter->net->complete(last_ticket));
+        if (inter)
+          all = forward_acks(progressed) && all && all_sent(my_nwin) &&
+                (last_ticket == 0 || inter->net->complete(last_ticket));
         for (int s : ctx.arrival_order()) {
           while (pulled[s] < nwin[s] &&
                  ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {

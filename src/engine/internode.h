@@ -36,13 +36,14 @@ struct Topology {
 
 // The first bytes of a lane.
 struct alignas(64) LaneControl {
-  Control mirror;            // the remote source's control words (failed/message, stage_ready) + our
-                             // combine_open for its tokens
-  PeerCell from_proxy;       // in the origin's lane: ack (dispatch windows pulled on that node) and done
-                             // (combine partials of a window arrived), written by the proxy over the network
-  std::atomic<uint64_t> meta_ready;  // in the proxy's lane: combine routing of window w arrived: pack(seq, w+1)
-  std::atomic<uint64_t> released;    // in the origin's lane: the last call the rail peer there has finished
-                                     // (its lane for us is free again: data of the next call may go)
+  Control mirror;       // the remote source's control words (failed/message, stage_ready) + our
+                        // combine_open for its tokens
+  PeerCell from_proxy;  // in the origin's lane: ack (dispatch windows pulled on that node) and done
+                        // (combine partials of a window arrived), written by the proxy over the network
+  std::atomic<uint64_t>
+      meta_ready;                  // in the proxy's lane: combine routing of window w arrived: pack(seq, w+1)
+  std::atomic<uint64_t> released;  // in the origin's lane: the last call the rail peer there has finished
+                                   // (its lane for us is free again: data of the next call may go)
 };
 
 // Offsets inside one lane. readers: one PeerCell per local index (acks/dones of the node's ranks for the

@@ -160,8 +160,8 @@ void OpContext::exchange_headers(const std::function<void(bool& progressed)>& me
   for (int r = 0; r < size_; ++r) {
     const HeaderData* h = header(r);
     if (h->failed)
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r, " failed this call: ",
-                   std::string(h->message, strnlen(h->message, kMessageBytes)));
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r,
+                   " failed this call: ", std::string(h->message, strnlen(h->message, kMessageBytes)));
   }
 }
 
@@ -178,8 +178,8 @@ void OpContext::check_peers_alive() const {
     const Control* c = control(r);
     if (c->failed.load(std::memory_order_acquire) != 0) {
       saw_peer_failure_ = true;
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r, " failed: ",
-                   std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r,
+                   " failed: ", std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
     }
   }
 }
@@ -189,7 +189,8 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
   os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase
      << "'; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i)
-    os << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i]) << ")";
+    os << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i])
+       << ")";
   if (peers.empty()) os << "(no peer recorded)";
   throw Error(ErrorCode::Timeout, os.str());
 }

@@ -81,7 +81,8 @@ class OpContext {
   void publish_header();
   // Waits for every peer's header of this call. Throws Aborted when a peer marked its header failed
   // (quoting its message) or failed earlier; Timeout naming the missing peers.
-  // `meanwhile` (optional) runs on every pass of the wait, e.g. to send data to peers already known to be ready.
+  // `meanwhile` (optional) runs on every pass of the wait, e.g. to send data to peers already known to be
+  // ready.
   void exchange_headers(const std::function<void(bool& progressed)>& meanwhile = {});
   // Internode: tells the rail peers that this call is over here (their data of the next call may come), and
   // whether rail peer `peer` has said so for the previous call. Never throws.

@@ -32,8 +32,8 @@ struct NetworkOptions {
 
 // Counters since creation (for tests and the bench): what this rank handed to the network.
 struct NetworkCounters {
-  uint64_t writes = 0;        // write_signal calls
-  uint64_t payload_bytes = 0; // data bytes of those calls (signals not included)
+  uint64_t writes = 0;         // write_signal calls
+  uint64_t payload_bytes = 0;  // data bytes of those calls (signals not included)
 };
 
 // Owned by one Buffer. write_signal/complete/failure are called by the Buffer's communication thread only;

@@ -60,7 +60,8 @@ MR_CASE("internode_matches_single_node", {}) {
     args.x.data = x_of(pr, ctx.rank);
     args.topk_idx = topk_idx_of(pr, ctx.rank);
     args.topk_weights = topk_weights_of(pr, ctx.rank);
-    args.num_tokens_per_expert = a.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+    args.num_tokens_per_expert =
+        a.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
     args.receive_order = order;
     args.expert_alignment = order == ReceiveOrder::expert_major ? 4 : 1;
     DispatchResult x = a.dispatch(args), y = b.dispatch(args);
@@ -71,7 +72,8 @@ MR_CASE("internode_matches_single_node", {}) {
     REQUIRE(bytes(*x.recv_topk_weights) == bytes(*y.recv_topk_weights), where, "recv_topk_weights differs");
     REQUIRE(*x.num_recv_tokens_per_expert_list == *y.num_recv_tokens_per_expert_list, where, "list differs");
     REQUIRE(bytes(x.handle->recv_src_rank()) == bytes(y.handle->recv_src_rank()), where, "src ranks differ");
-    REQUIRE(bytes(x.handle->recv_src_token()) == bytes(y.handle->recv_src_token()), where, "src tokens differ");
+    REQUIRE(bytes(x.handle->recv_src_token()) == bytes(y.handle->recv_src_token()), where,
+            "src tokens differ");
     // Cached re-dispatch along the same routes, both Buffers.
     DispatchArgs c;
     c.x.data = x_of(pr, ctx.rank);
@@ -106,13 +108,16 @@ MR_CASE("internode_dedup", {}) {
   args.x.data = x_of(pr, r);
   args.topk_idx = topk_idx_of(pr, r);
   args.topk_weights = topk_weights_of(pr, r);
-  args.num_tokens_per_expert = buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  args.num_tokens_per_expert =
+      buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
   const Buffer::InternodeCounters before = buf.internode_counters();
   DispatchResult d = buf.dispatch(args);
   const Buffer::InternodeCounters after = buf.internode_counters();
   const int64_t rows = after.rows - before.rows;
-  REQUIRE(rows == want, "rank ", r, ": ", rows, " rows crossed the network, expected one per distinct (token, "
-          "other node) = ", want);
+  REQUIRE(rows == want, "rank ", r, ": ", rows,
+          " rows crossed the network, expected one per distinct (token, "
+          "other node) = ",
+          want);
   REQUIRE(after.row_bytes - before.row_bytes == want * row, "row bytes: got ",
           after.row_bytes - before.row_bytes, ", expected ", want * row);
   // Everything else on the wire is routing (per row: token index + K ids and weights, 64-byte aligned
@@ -139,7 +144,8 @@ MR_CASE("internode_link_cut", {}) {
   args.x.data = x_of(pr, ctx.rank);
   args.topk_idx = topk_idx_of(pr, ctx.rank);
   args.topk_weights = topk_weights_of(pr, ctx.rank);
-  args.num_tokens_per_expert = buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  args.num_tokens_per_expert =
+      buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
   const auto start = std::chrono::steady_clock::now();
   for (int round = 0;; ++round) {
     try {
@@ -152,8 +158,8 @@ MR_CASE("internode_link_cut", {}) {
       const std::string m = e.what();
       std::fprintf(stderr, "[rank %d] round %d failed as expected: %s\n", ctx.rank, round, m.c_str());
       REQUIRE(round > 0, "the first round failed before the link was cut: ", m);
-      REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "code ", static_cast<int>(e.code()),
-              ": ", m);
+      REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "code ",
+              static_cast<int>(e.code()), ": ", m);
       REQUIRE(m.find("rank ") != std::string::npos, "the error names no peer: ", m);
       return;  // the Buffer's teardown is timed by the script
     }

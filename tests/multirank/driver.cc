@@ -30,10 +30,11 @@ using namespace epcomm;
 using namespace epcomm::testing;
 
 static int usage() {
-  std::cerr << "usage: multirank_tests --case NAME --launcher thread|fork|mpi --np N | --list  (mpi: run "
-               "under mpirun)\n"
-               "       multirank_tests --case NAME --launcher tcp --np N --rank R --endpoint tcp://A.B.C.D:PORT "
-               "(one rank; a script starts them all)\n";
+  std::cerr
+      << "usage: multirank_tests --case NAME --launcher thread|fork|mpi --np N | --list  (mpi: run "
+         "under mpirun)\n"
+         "       multirank_tests --case NAME --launcher tcp --np N --rank R --endpoint tcp://A.B.C.D:PORT "
+         "(one rank; a script starts them all)\n";
   return 2;
 }
 

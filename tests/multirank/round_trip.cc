@@ -15,7 +15,8 @@ BufferOptions test_options(int64_t nvl_bytes, double timeout_s) {
   o.timeout_s = timeout_s;
   // Under virtual nodes (EPCOMM_RANKS_PER_NODE, up to 4 nodes) every lane gets at least as much room as the
   // segment, so that the cases written for small segments force rounds internode too.
-  o.num_rdma_bytes = 4 * static_cast<int64_t>(engine::lane_overhead_bytes(64, engine::kMaxRanks) + nvl_bytes + 4096);
+  o.num_rdma_bytes =
+      4 * static_cast<int64_t>(engine::lane_overhead_bytes(64, engine::kMaxRanks) + nvl_bytes + 4096);
   return o;
 }
 

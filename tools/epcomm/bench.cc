@@ -247,7 +247,8 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     config->num_threads = o.threads_flag;
   }
   const DispatchArgs da = dispatch_args(ro, order, in, config);
-  std::unique_ptr<AlltoallvBaseline> baseline = with_baseline ? make_baseline(ro, order, bs, in, buffer) : nullptr;
+  std::unique_ptr<AlltoallvBaseline> baseline =
+      with_baseline ? make_baseline(ro, order, bs, in, buffer) : nullptr;
 
   OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
@@ -418,8 +419,11 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
           .add("link_gbps", rep.link_gbps, 3)
           .add("ratio_to_link", rep.link_gbps > 0 ? net_gbps / rep.link_gbps : 0.0, 3);
     } else {
-      j.add("nodes", 1).add_null("network_bytes").add_null("network_gbps").add_null("link_gbps").add_null(
-          "ratio_to_link");
+      j.add("nodes", 1)
+          .add_null("network_bytes")
+          .add_null("network_gbps")
+          .add_null("link_gbps")
+          .add_null("ratio_to_link");
     }
     j.add("verified", verified)
         .add("segment_bytes", segment_bytes)
@@ -462,7 +466,8 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
         const int64_t e = in.routing.ids[t * ro.topk + k];
         if (e < 0) continue;
         const int n = buffer.node_of(static_cast<int>(e / L));
-        if (n != buffer.node_of(me) && std::find(seen.begin(), seen.end(), n) == seen.end()) seen.push_back(n);
+        if (n != buffer.node_of(me) && std::find(seen.begin(), seen.end(), n) == seen.end())
+          seen.push_back(n);
       }
       pairs += static_cast<int64_t>(seen.size());
     }
@@ -530,9 +535,9 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
 
 // `epcomm bench --quantizers`: quant/bench.h on this thread, one JSON line per algorithm and variant.
 int run_quantizer_bench(const FlagParser& p) {
-  for (const char* name :
-       {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes", "num-rdma-bytes", "ranks-per-node", "launcher", "timeout",
-        "warmup", "bootstrap", "threads", "plot", "expert-alignment"})
+  for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
+                           "num-rdma-bytes", "ranks-per-node", "launcher", "timeout", "warmup", "bootstrap",
+                           "threads", "plot", "expert-alignment"})
     if (p.given(name))
       throw UsageError(std::string("--quantizers: --") + name +
                        " does not apply (the quantizer benchmark reads --tokens, --hidden and --iters)");

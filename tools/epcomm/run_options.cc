@@ -63,9 +63,10 @@ void add_run_flags(FlagParser& p, const RunDefaults& d) {
         "DispatchArgs::quant_mode: bf16|int8|pertoken_fp8_e4m3|pergroup_fp8_e4m3|"
         "mx_fp8_e4m3|mx_fp8_e5m2|mx_fp4_e2m1 (default: none, rows copied as they are)");
   p.add("num-nvl-bytes", "B", "0", "shared-memory segment per rank, K/M/G suffixes allowed; 0 = 64 MiB");
-  p.add("ranks-per-node", "P", "0",
-        "node partition: P > 0 makes nodes of P consecutive ranks, which talk over UCX only (virtual nodes on "
-        "one host; set UCX_TLS=tcp to force TCP); 0 = EPCOMM_RANKS_PER_NODE, else one node per host");
+  p.add(
+      "ranks-per-node", "P", "0",
+      "node partition: P > 0 makes nodes of P consecutive ranks, which talk over UCX only (virtual nodes on "
+      "one host; set UCX_TLS=tcp to force TCP); 0 = EPCOMM_RANKS_PER_NODE, else one node per host");
   p.add("num-rdma-bytes", "B", "0", "internode staging memory per rank (one lane per node); 0 = 64 MiB");
   p.add("launcher", "fork|threads", "fork", "ranks as forked processes (real shared memory) or threads");
   p.add("timeout", "SECONDS", "", "deadline of every wait on a peer (default: EPCOMM_TIMEOUT_S, else 100)");
