@@ -194,7 +194,7 @@ template <DType DT, typename Fmt>
   // Without biases a bf16 row is rounded in registers and written around the cache: combined_x is
   // written once and not read back by the reduction, so its lines need no read-for-ownership.
   const bool stream = DT == DType::bf16 && !bias1 && (reinterpret_cast<uintptr_t>(out) & 31) == 0 &&
-                      hidden * static_cast<int64_t>(elem) >= kStreamMin;
+                      hidden * static_cast<int64_t>(elem) >= static_cast<int64_t>(kStreamMin);
   int64_t c0 = 0;
   for (; c0 + kVecBlock <= hidden; c0 += kVecBlock) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
