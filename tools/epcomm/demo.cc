@@ -2,6 +2,7 @@
 // experts, combine), checked against a dense single-process reference, with timings and load balance.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -269,6 +270,12 @@ int report(const DemoOptions& o, const std::vector<double>& times, const std::ve
   const char* order = receive_order_name(o.order);
   std::printf("epcomm demo: one MoE layer forward over %d local ranks (%s)\n", R,
               o.run.launcher == Launcher::fork ? "forked processes" : "threads");
+  int rpn = o.run.ranks_per_node;
+  if (rpn == 0)
+    if (const char* v = std::getenv("EPCOMM_RANKS_PER_NODE")) rpn = std::atoi(v);
+  if (rpn > 0 && rpn < R)
+    std::printf("  nodes        %d virtual nodes of %d ranks (ranks_per_node): UCX between nodes\n", R / rpn,
+                rpn);
   std::printf("  tokens       %lld per rank (%lld total), hidden %lld, dtype %s, quant %s\n",
               static_cast<long long>(T), static_cast<long long>(T * R), static_cast<long long>(o.run.hidden),
               dtype_name(o.run.dtype), o.run.quant_name().c_str());
