@@ -124,14 +124,14 @@ void Buffer::Impl::setup_internode(const std::string& pre) {
   const int P = t.ranks_per_node = static_cast<int>(t.node_ranks[0].size());
 
   const int64_t rdma = options.num_rdma_bytes ? options.num_rdma_bytes : kDefaultSegmentBytes;
-  inter->lane_bytes = static_cast<size_t>(rdma / M) / 4096 * 4096;
+  const size_t lane_bytes = static_cast<size_t>(rdma / M) / 4096 * 4096;
   const size_t minimum = engine::lane_overhead_bytes(P, R) + 4096;
-  EPCOMM_CHECK(inter->lane_bytes >= minimum, pre, "capacity: num_rdma_bytes = ", rdma, " gives each of the ",
-               M, " nodes a lane of ", inter->lane_bytes, " bytes, below the minimum of ", minimum,
+  EPCOMM_CHECK(lane_bytes >= minimum, pre, "capacity: num_rdma_bytes = ", rdma, " gives each of the ", M,
+               " nodes a lane of ", lane_bytes, " bytes, below the minimum of ", minimum,
                " (num_rdma_bytes >= ", minimum * M, ")");
-  inter->lane = engine::carve_lane(inter->lane_bytes, P, R);
+  inter->lane = engine::carve_lane(lane_bytes, P, R);
   inter->lanes_offset = (static_cast<size_t>(nvl_bytes) + 4095) / 4096 * 4096;
-  const size_t region = inter->lane_bytes * M;
+  const size_t region = lane_bytes * M;
 
   node_bootstrap =
       make_subgroup_bootstrap(group->bootstrap(), t.node_ranks[t.node()], detail::cat("n", t.node()));

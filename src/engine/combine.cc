@@ -51,8 +51,6 @@ CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t 
 // our node, reduce what our node wrote into one f32 partial per token and send it back.
 class Hierarchy {
  public:
-  using CopyOf = std::function<std::pair<const uint8_t*, const float*>(int64_t t, int slot)>;
-
   Hierarchy(OpContext& ctx, const CombineInput& in, const Handle::Impl& hd, const CombineGeometry& geo,
             const CombineLane& cl, uint8_t* cx, float* cw)
       : ctx_(ctx), in_(in), hd_(hd), geo_(geo), cl_(cl), cx_(cx), cw_(cw), inter_(ctx.internode()) {
@@ -130,6 +128,8 @@ class Hierarchy {
   }
 
   // Origin: reduces window w from our node's copies and the other nodes' partials (§5.1 across nodes).
+  // copy_of(t, slot) -> (row, receiving-side weights): a template, not std::function, on this per-copy path.
+  template <typename CopyOf>
   void reduce(int64_t w, const CopyOf& copy_of) {
     const int64_t t0 = w * W_, t1 = std::min(hd_.num_tokens, t0 + W_);
     const size_t row_bytes = static_cast<size_t>(in_.hidden) * dtype_size(in_.dtype);
@@ -181,7 +181,7 @@ class Hierarchy {
           if (d != me_) ctx_.notify(d);
         progressed = true;
       }
-      if (p.reduced < p.opened && contributors_done(p, n) &&
+      if (p.reduced < p.opened && contributors_done(p) &&
           (p.ticket == 0 || inter_->net->complete(p.ticket))) {
         send_partials(p, n);
         ++p.reduced;
@@ -217,6 +217,7 @@ class Hierarchy {
   }
 
   // Our node's partial of our token t into own_; false when our node holds no copy.
+  template <typename CopyOf>
   bool own_partial(int64_t t, const CopyOf& copy_of) {
     const uint8_t* rows[kMaxParts];
     float wts[kMaxParts];
@@ -251,11 +252,10 @@ class Hierarchy {
     }
   }
 
-  bool contributors_done(const Proxied& p, int n) const {
+  bool contributors_done(const Proxied& p) const {
     for (int d : p.contributors)
       if (ctx_.cell(p.source, d)->done.load(std::memory_order_acquire) < pack(seq_, p.reduced + 1))
         return false;
-    (void)n;
     return true;
   }
 
@@ -390,8 +390,8 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   if (inter) {
     cl = combine_lane(inter->lane.data_bytes, geo, geo.window, meta_entry, partial_bytes);
     if (geo.window >= 1 && cl.window < 1)
-      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane_bytes * M,
-                   " (one lane of ", inter->lane_bytes,
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane.bytes * M,
+                   " (one lane of ", inter->lane.bytes,
                    " bytes per node) cannot hold the copies of one token (", slots, " x ", row_bytes,
                    " bytes) with its routing and f32 partial; the minimum for this call is ",
                    M * (lane_overhead_bytes(inter->topo.ranks_per_node, R) +

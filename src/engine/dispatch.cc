@@ -362,8 +362,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
 
   // 3. Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).
   if (geo.window < 1 && inter && dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta).window >= 1)
-    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane_bytes * M,
-                 " (one lane of ", inter->lane_bytes, " bytes per node) cannot hold one forwarded token of ",
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane.bytes * M,
+                 " (one lane of ", inter->lane.bytes, " bytes per node) cannot hold one forwarded token of ",
                  row_bytes, " bytes (+", meta, " bytes of routing); the minimum for this call is ",
                  M * (lane_overhead_bytes(inter->topo.ranks_per_node, R) +
                       2 * align64(compact_window_max(1, net_meta, geo.row_stride)) + 2 * kAlign));

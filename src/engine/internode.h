@@ -60,13 +60,12 @@ struct Internode {
   Topology topo;
   Network* net = nullptr;
   size_t lanes_offset = 0;  // in every segment; the Network's region starts here
-  size_t lane_bytes = 0;    // one lane per node (own node's lane unused)
-  LaneLayout lane;
+  LaneLayout lane;          // one lane per node (own node's lane unused); lane.bytes each
   // What this rank sent over the network as rows (for the dedup checks and statistics).
   uint64_t rows_sent = 0, row_bytes_sent = 0;
   uint64_t last_ticket = 0;  // of the latest network write
 
-  size_t lane_offset(int node) const { return static_cast<size_t>(node) * lane_bytes; }  // in the region
+  size_t lane_offset(int node) const { return static_cast<size_t>(node) * lane.bytes; }  // in the region
 };
 
 // Dispatch window layout in a lane half (compact, written by one network write): a 64-byte-aligned block with
