@@ -3,10 +3,9 @@
 #include "api/buffer_impl.h"
 
 #include <algorithm>
-#include <map>
 
 #include "api/event_state.h"
-#include "bootstrap/subgroup.h"
+#include "api/internode_setup.h"
 #include "common/check.h"
 #include "common/env.h"
 #include "routing/layout.h"
@@ -43,18 +42,7 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
 
   // Node partition (spec §6).
   const int R = b.num_ranks, P = options.ranks_per_node ? options.ranks_per_node : env::ranks_per_node();
-  EPCOMM_CHECK(P >= 0, pre, "argument: ranks_per_node: expected >= 0, got ", P);
-  b.node_of_rank.resize(R);
-  if (P > 0) {
-    EPCOMM_CHECK(R % P == 0, pre, "argument: ranks_per_node = ", P, " must divide the number of ranks ", R);
-    for (int r = 0; r < R; ++r) b.node_of_rank[r] = r / P;
-  } else {
-    std::map<std::string, int> node_id;
-    for (int r = 0; r < R; ++r) {
-      auto it = node_id.emplace(group->hosts()[r], static_cast<int>(node_id.size())).first;
-      b.node_of_rank[r] = it->second;
-    }
-  }
+  b.node_of_rank = detail::node_partition(*group, P, pre);
   b.num_nodes = *std::max_element(b.node_of_rank.begin(), b.node_of_rank.end()) + 1;
 
   // Sizes must agree on every rank: exchange them, then every rank raises the same error.
@@ -102,58 +90,13 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
 // Internode (spec §6): equal node sizes, a shared-memory transport over this node's ranks whose segments
 // also hold one lane per node (num_rdma_bytes in all), and the network to our rail peers on the other nodes.
 void Buffer::Impl::setup_internode(const std::string& pre) {
-  const int R = num_ranks, M = num_nodes;
-  engine::Topology& t = (inter = std::make_unique<engine::Internode>())->topo;
-  t.rank = rank;
-  t.size = R;
-  t.num_nodes = M;
-  t.node_of = node_of_rank;
-  t.node_ranks.assign(M, {});
-  t.local_index.assign(R, 0);
-  for (int r = 0; r < R; ++r) {
-    t.local_index[r] = static_cast<int>(t.node_ranks[node_of_rank[r]].size());
-    t.node_ranks[node_of_rank[r]].push_back(r);
-  }
-  std::string sizes;
-  bool equal = true;
-  for (int n = 0; n < M; ++n) {
-    sizes += detail::cat(n ? ", " : "", "node ", n, ": ", t.node_ranks[n].size());
-    equal = equal && t.node_ranks[n].size() == t.node_ranks[0].size();
-  }
-  EPCOMM_CHECK(equal, pre, "argument: nodes must have equal numbers of ranks, got ", sizes);
-  const int P = t.ranks_per_node = static_cast<int>(t.node_ranks[0].size());
-
-  const int64_t rdma = options.num_rdma_bytes ? options.num_rdma_bytes : kDefaultSegmentBytes;
-  const size_t lane_bytes = static_cast<size_t>(rdma / M) / 4096 * 4096;
-  const size_t minimum = engine::lane_overhead_bytes(P, R) + 4096;
-  EPCOMM_CHECK(lane_bytes >= minimum, pre, "capacity: num_rdma_bytes = ", rdma, " gives each of the ", M,
-               " nodes a lane of ", lane_bytes, " bytes, below the minimum of ", minimum,
-               " (num_rdma_bytes >= ", minimum * M, ")");
-  inter->lane = engine::carve_lane(lane_bytes, P, R);
-  inter->lanes_offset = (static_cast<size_t>(nvl_bytes) + 4095) / 4096 * 4096;
-  const size_t region = lane_bytes * M;
-
-  node_bootstrap =
-      make_subgroup_bootstrap(group->bootstrap(), t.node_ranks[t.node()], detail::cat("n", t.node()));
-  // Virtual nodes share this host's cores: waiters may spin only if every rank *on the host* has a core.
-  const int host_ranks = static_cast<int>(
-      std::count(group->hosts().begin(), group->hosts().end(), group->hosts()[static_cast<size_t>(rank)]));
-  transport =
-      make_shm_transport(*node_bootstrap, inter->lanes_offset + region, group->next_instance(), host_ranks);
-
-  NetworkOptions no;
-  for (int n = 0; n < M; ++n)
-    if (n != t.node()) no.peers.push_back(t.rail(n));
-  no.region = transport->segment(t.local_index[rank]) + inter->lanes_offset;
-  no.region_bytes = region;
-  no.timeout_s = timeout_s;
-  Transport* tp = transport.get();
-  // An arrival may concern any rank of this node (a mirrored header, window or failure): wake them all.
-  no.on_arrival = [tp](int) {
-    for (int l = 0; l < tp->size(); ++l) tp->notify(l);
-  };
-  network = make_ucx_network(group->bootstrap(), no);
-  inter->net = network.get();
+  detail::InternodeParts parts =
+      detail::setup_internode(*group, node_of_rank, static_cast<size_t>(nvl_bytes), options.num_rdma_bytes,
+                              "num_rdma_bytes", timeout_s, pre);
+  inter = std::move(parts.inter);
+  node_bootstrap = std::move(parts.node_bootstrap);
+  transport = std::move(parts.transport);
+  network = std::move(parts.network);
 }
 
 Buffer::~Buffer() {

@@ -58,12 +58,18 @@ struct Call {
       refused = "the ep group failed earlier: " + eg.failed;
     } else {
       ep.group = &eg;
-      ep.ctx = std::make_unique<OpContext>(*eg.transport, eg.layout, seq, k, tt);
+      ep.ctx = std::make_unique<OpContext>(*eg.transport, eg.layout, seq, k, tt, eg.inter.get());
       ep.ctx->set_naming(prefix, "ep rank");
     }
+    ErrorCode refused_code = ErrorCode::Aborted;
     if (tg) {
       const uint64_t tseq = ++tg->seq;
-      if (!tg->failed.empty()) {
+      if (tg->inter) {  // the TP stages exchange through one node's shared memory
+        refused =
+            "argument: tp_group: its two ranks are on different nodes (hosts, or virtual nodes of "
+            "EPCOMM_RANKS_PER_NODE); a TP pair must be on one node";
+        refused_code = ErrorCode::InvalidUsage;
+      } else if (!tg->failed.empty()) {
         refused = "the tp group failed earlier: " + tg->failed;
       } else {
         tp.group = tg;
@@ -71,7 +77,7 @@ struct Call {
         tp.ctx->set_naming(epcomm::detail::cat(prefix, "tp pair #", tseq, ": "), "tp rank");
       }
     }
-    if (!refused.empty()) fail_validation(Error(ErrorCode::Aborted, refused));
+    if (!refused.empty()) fail_validation(Error(refused_code, refused));
     if (!(t > 0))
       fail_validation(Error(ErrorCode::InvalidUsage,
                             epcomm::detail::cat("argument: timeout: expected > 0, got ", t, " s")));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "api/internode_setup.h"
 #include "common/check.h"
 #include "common/env.h"
 
@@ -24,32 +25,44 @@ void create_context(Group& group, const GroupContextOptions& options) {
   EPCOMM_CHECK(bytes >= minimum, pre, "argument: segment_bytes = ", bytes,
                " is below the control part plus 256 bytes (", minimum, " bytes for ", group.size(),
                " ranks)");
-  // Every rank must use the same segment size: agree first, so that every rank raises the same error.
-  std::vector<std::byte> mine(sizeof(int64_t));
-  std::memcpy(mine.data(), &bytes, sizeof(bytes));
-  auto all = group.bootstrap().all_gather(mine);
-  std::string sizes;
-  bool differ = false;
-  for (int r = 0; r < group.size(); ++r) {
-    int64_t b;
-    std::memcpy(&b, all.data() + r * sizeof(int64_t), sizeof(b));
-    sizes += detail::cat(r ? ", " : "", "rank ", r, " = ", b);
-    differ |= b != bytes;
+  EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ",
+               options.num_rdma_bytes);
+  // Node partition: explicit, or EPCOMM_RANKS_PER_NODE (a group no larger than P is one node, so that a TP
+  // pair or a small EP group stays whole), or by host.
+  int P = options.ranks_per_node;
+  if (P == 0 && env::ranks_per_node() > 0) P = std::min(env::ranks_per_node(), group.size());
+  // Every rank must use the same sizes: agree first, so that every rank raises the same error.
+  const int64_t mine[3] = {bytes, options.num_rdma_bytes, P};
+  std::vector<std::byte> buf(sizeof(mine));
+  std::memcpy(buf.data(), mine, sizeof(mine));
+  auto all = group.bootstrap().all_gather(buf);
+  const char* names[3] = {"segment_bytes", "num_rdma_bytes", "ranks_per_node"};
+  for (int f = 0; f < 3; ++f) {
+    std::string per_rank;
+    bool differ = false;
+    for (int r = 0; r < group.size(); ++r) {
+      int64_t v;
+      std::memcpy(&v, all.data() + r * sizeof(mine) + f * sizeof(int64_t), sizeof(v));
+      per_rank += detail::cat(r ? ", " : "", "rank ", r, " = ", v);
+      differ |= v != mine[f];
+    }
+    EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", names[f], ": ", per_rank);
   }
-  EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on segment_bytes: ", sizes);
-  // The operator family runs on one host's shared memory (docs/internode.md: across nodes only the
-  // normal-mode Buffer for now). Every rank sees the same host list, so every rank raises the same error.
-  for (int r = 1; r < group.size(); ++r)
-    EPCOMM_CHECK(group.hosts()[r] == group.hosts()[0], pre,
-                 "argument: the ranks span several hosts (rank 0 on '", group.hosts()[0], "', rank ", r,
-                 " on '", group.hosts()[r],
-                 "'); the distribute-v2 operators across nodes (comm_alg=\"hierarchy\") are not supported by "
-                 "epcomm yet: use the normal-mode Buffer across nodes, or one group per host");
+  const std::vector<int> node_of = detail::node_partition(group, P, pre);
   auto ctx = std::make_shared<GroupContext>();
   ctx->rank = group.rank();
   ctx->size = group.size();
   ctx->timeout_s = timeout;
-  ctx->transport = make_shm_transport(group.bootstrap(), static_cast<size_t>(bytes), group.next_instance());
+  if (*std::max_element(node_of.begin(), node_of.end()) > 0) {
+    detail::InternodeParts parts = detail::setup_internode(
+        group, node_of, static_cast<size_t>(bytes), options.num_rdma_bytes, "num_rdma_bytes", timeout, pre);
+    ctx->inter = std::move(parts.inter);
+    ctx->node_bootstrap = std::move(parts.node_bootstrap);
+    ctx->transport = std::move(parts.transport);
+    ctx->network = std::move(parts.network);
+  } else {
+    ctx->transport = make_shm_transport(group.bootstrap(), static_cast<size_t>(bytes), group.next_instance());
+  }
   ctx->layout = engine::carve(static_cast<size_t>(bytes), group.size());
   group.moe_context() = std::move(ctx);
 }

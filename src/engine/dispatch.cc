@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <optional>
 
+#include "engine/forward.h"
 #include "engine/kernels.h"
 #include "quant/row.h"
 #include "routing/layout.h"
@@ -60,48 +62,6 @@ struct Outputs {
     }
   }
 };
-
-// One staged window as a receiver sees it: a local source's half (every token of the window, at fixed
-// strides) or, for a remote source, the compact copy its proxy holds (only the tokens this node needs).
-struct StagedWindow {
-  int64_t count = 0, t0 = 0;
-  const int32_t* tokens = nullptr;  // compact: the entries' token indices
-  const uint8_t *rows = nullptr, *metas = nullptr;
-  size_t row_stride = 0, meta_stride = 0;
-
-  static StagedWindow local(const uint8_t* half, const DispatchGeometry& g, int64_t W, int64_t t0,
-                            int64_t count) {
-    return {count, t0, nullptr, half, half + W * g.row_stride, g.row_stride, g.meta_stride};
-  }
-  static StagedWindow compact(const uint8_t* half, size_t row_stride, size_t meta_stride) {
-    const int64_t n = *reinterpret_cast<const int32_t*>(half);
-    const CompactWindow c = compact_window(n, meta_stride, row_stride);
-    return {n,
-            0,
-            reinterpret_cast<const int32_t*>(half + 8),
-            half + c.rows_off,
-            half + c.meta_off,
-            row_stride,
-            meta_stride};
-  }
-  int64_t token(int64_t e) const { return tokens ? tokens[e] : t0 + e; }
-  const uint8_t* payload(int64_t e) const { return rows + e * row_stride; }
-  const uint8_t* meta(int64_t e) const { return metas + e * meta_stride; }
-};
-
-// The window every rank uses: what fits a half of the data area and, internode, a compact half of a lane.
-DispatchGeometry window_geometry(const OpContext& ctx, size_t row_bytes, size_t meta, size_t& lane_half) {
-  DispatchGeometry g = dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta);
-  lane_half = 0;
-  if (const Internode* in = ctx.internode()) {
-    lane_half = in->lane.data_bytes / 2 / kAlign * kAlign;
-    const size_t net_meta = meta ? g.meta_stride : 0;
-    int64_t wl = lane_half > 72 ? static_cast<int64_t>((lane_half - 72) / (4 + net_meta + g.row_stride)) : 0;
-    while (wl > 0 && compact_window_max(wl, net_meta, g.row_stride) > lane_half) --wl;
-    g.window = std::min(g.window, wl);
-  }
-  return g;
-}
 
 void poison(const Tensor& t, bool on) {
   if (on && t.nbytes()) std::memset(t.data(), 0xFF, t.nbytes());
@@ -172,9 +132,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   const size_t meta = meta_bytes_of(K, R, in.cached);
   Internode* inter = ctx.internode();
   const int M = inter ? inter->topo.num_nodes : 1, my_node = ctx.node_of(me);
-  size_t lane_half = 0;
-  const DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half);
-  const size_t net_meta = meta ? geo.meta_stride : 0;  // routing bytes per compact entry
+  size_t lane_half = 0, net_meta = 0;  // net_meta: routing bytes per compact entry
+  const DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half, net_meta);
   const int64_t W = geo.window;
   const int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
   uint8_t* my_area = ctx.data(me);
@@ -212,23 +171,14 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     ctx.control(me)->stage_ready.store(pack(ctx.seq(), staged), std::memory_order_seq_cst);
   };
 
-  // Internode: the tokens each other node needs (ascending), what went out, and the acks we forward as
-  // proxy of our rail peers.
-  std::vector<std::vector<int32_t>> node_tokens(M);
-  std::vector<size_t> node_cursor(M, 0);
-  std::vector<std::vector<int32_t>> send_hdr(inter ? 2 * M : 0);
-  std::vector<std::vector<Network::Piece>> send_pieces(inter ? 2 * M : 0);
-  std::vector<uint64_t> forwarded(M, pack(seq, 0));
-  uint64_t tickets[2] = {0, 0}, last_ticket = 0;
-  // Whatever way this call ends, the network must be done with send_hdr/send_pieces before they go.
-  struct Drain {
-    const OpContext& ctx;
-    ~Drain() { ctx.drain_writes(); }
-  } drain{ctx};
-  std::vector<int64_t> sent(M, 0);  // windows sent to each node
+  // Internode: the tokens each other node needs (ascending) go there as compact windows; as proxy of our
+  // rail peers we forward our node's acknowledgements.
+  std::optional<WindowSender> sender;
+  std::optional<AckForwarder> acks;
   if (inter) {
     const std::vector<uint8_t>& in_rank = in.cached ? hd->in_rank : in.in_rank;
     const Topology& topo = inter->topo;
+    std::vector<std::vector<int32_t>> node_tokens(M);
     for (int64_t t = 0; t < in.num_tokens; ++t)
       for (int n = 0; n < M; ++n) {
         if (n == my_node) continue;
@@ -238,62 +188,10 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
             break;
           }
       }
+    sender.emplace(ctx, my_area, geo, lane_half, net_meta, in.num_tokens, row_bytes, std::move(node_tokens));
+    acks.emplace(ctx);
   }
-  // Window w to node n: the entries it needs, compact, in one write.
-  auto send_window = [&](int64_t w, int n) {
-    const uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
-    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
-    {
-      const std::vector<int32_t>& list = node_tokens[n];
-      const size_t c0 = node_cursor[n];
-      size_t c1 = c0;
-      while (c1 < list.size() && list[c1] < t1) ++c1;
-      node_cursor[n] = c1;
-      const int64_t cnt = static_cast<int64_t>(c1 - c0);
-      const CompactWindow cw = compact_window(cnt, net_meta, geo.row_stride);
-      std::vector<int32_t>& hb = send_hdr[(w % 2) * M + n];
-      hb.assign(cw.meta_off / 4, 0);
-      hb[0] = static_cast<int32_t>(cnt);
-      std::copy(list.begin() + c0, list.begin() + c1, hb.begin() + 2);
-      std::vector<Network::Piece>& pcs = send_pieces[(w % 2) * M + n];
-      pcs.assign(1, Network::Piece{hb.data(), cw.meta_off});
-      // Runs of consecutive tokens are contiguous in our staged half: one piece each.
-      for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 0 && !net_meta) continue;
-        const uint8_t* base = pass == 0 ? half + W * geo.row_stride : half;
-        const size_t stride = pass == 0 ? geo.meta_stride : geo.row_stride;
-        for (size_t a = c0; a < c1;) {
-          size_t b = a + 1;
-          while (b < c1 && list[b] == list[b - 1] + 1) ++b;
-          pcs.push_back({base + (list[a] - t0) * stride, (b - a) * stride});
-          a = b;
-        }
-      }
-      const uint64_t ticket = ctx.write_lane(inter->topo.rail(n), pcs.data(), static_cast<int>(pcs.size()),
-                                             inter->lane.data + static_cast<size_t>(w % 2) * lane_half,
-                                             offsetof(Control, stage_ready), pack(seq, w + 1));
-      inter->rows_sent += static_cast<uint64_t>(cnt);
-      inter->row_bytes_sent += static_cast<uint64_t>(cnt) * row_bytes;
-      tickets[w % 2] = std::max(tickets[w % 2], ticket);
-      last_ticket = std::max(last_ticket, ticket);
-    }
-  };
-  // Sends every staged window to the nodes that need them, as soon as the rail peer there has finished the
-  // previous call (its lane for us is free then), whether or not its header of this call is in yet.
-  auto send_staged = [&](bool& progressed) {
-    for (int n = 0; n < M; ++n) {
-      if (n == my_node || node_tokens[n].empty() || sent[n] == staged) continue;
-      if (!ctx.lane_released(inter->topo.rail(n))) continue;
-      while (sent[n] < staged) send_window(sent[n]++, n);
-      progressed = true;
-    }
-  };
-  // Every node that needs our tokens has been sent windows [0, w).
-  auto all_sent = [&](int64_t w) {
-    for (int n = 0; n < M; ++n)
-      if (n != my_node && !node_tokens[n].empty() && sent[n] < w) return false;
-    return true;
-  };
+  auto send_staged = [&](bool& progressed) { sender->send_staged(staged, progressed); };
   // 1. Header (and counts, for a fresh dispatch).
   HeaderData& h = ctx.begin_header(in.cached ? OpKind::cached_dispatch : OpKind::dispatch);
   h.order = static_cast<uint32_t>(in.order);
@@ -365,8 +263,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane.bytes * M,
                  " (one lane of ", inter->lane.bytes, " bytes per node) cannot hold one forwarded token of ",
                  row_bytes, " bytes (+", meta, " bytes of routing); the minimum for this call is ",
-                 M * (lane_overhead_bytes(inter->topo.ranks_per_node, R) +
-                      2 * align64(compact_window_max(1, net_meta, geo.row_stride)) + 2 * kAlign));
+                 min_rdma_bytes_for(ctx, geo, net_meta));
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
                  " cannot hold one staged token of ", row_bytes, " bytes (+", meta,
@@ -476,9 +373,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
 
   auto pull = [&](int s, int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);
-    const StagedWindow win =
-        ctx.remote(s) ? StagedWindow::compact(ctx.data(s) + (w % 2) * lane_half, geo.row_stride, net_meta)
-                      : StagedWindow::local(ctx.data(s) + (w % 2) * geo.half_bytes, geo, W, t0, t1 - t0);
+    const StagedWindow win = StagedWindow::of(ctx, s, w, geo, lane_half, net_meta, tokens_of[s]);
     if (in.cached) {
       const int32_t* src_tok = hd->recv_src_token.data_as<int32_t>();
       int64_t& pos = cached_pos[s];
@@ -552,35 +447,16 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     }
   };
 
-  // As proxy of rail peer s: once every rank of our node that pulls from s acknowledged a window, tell s.
-  auto forward_acks = [&](bool& progressed) {
-    bool all = true;
-    const Topology& topo = inter->topo;
-    for (int n = 0; n < M; ++n) {
-      if (n == my_node) continue;
-      const int s = topo.rail(n);
-      const HeaderData* hs = ctx.header(s);
-      const int32_t* tpr = ctx.counts(s) + hs->num_counts - R;
-      uint64_t m = UINT64_MAX;
-      for (int d : topo.node_ranks[my_node])
-        if (tpr[d] > 0) m = std::min(m, ctx.cell(s, d)->ack.load(std::memory_order_acquire));
-      if (m == UINT64_MAX) continue;  // nobody here receives from s
-      if (m > forwarded[n]) {
-        ctx.write_lane(s, nullptr, 0, 0, offsetof(LaneControl, from_proxy) + offsetof(PeerCell, ack), m);
-        forwarded[n] = m;
-        progressed = true;
-      }
-      all = all && forwarded[n] == pack(seq, num_windows(tokens_of[s], W));
-    }
-    return all;
-  };
+  // As proxy of rail peer s: the ranks of our node that pull from s (its counts say so).
+  auto receives = [&](int s, int d) { return ctx.counts(s)[ctx.header(s)->num_counts - R + d] > 0; };
+  auto windows = [&](int s) { return num_windows(tokens_of[s], W); };
 
   auto can_stage = [&](int64_t w) {
     if (w < 2) return true;
     for (int p = 0; p < R; ++p)
       if (my_dest_tokens[p] > 0 && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, w - 1))
         return false;
-    return !inter || (all_sent(w - 1) && (tickets[w % 2] == 0 || inter->net->complete(tickets[w % 2])));
+    return !inter || (sender->all_sent(w - 1) && sender->half_free(w));
   };
   ctx.run(
       "data",
@@ -588,7 +464,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         // Internode: every staged window goes to the proxies of the nodes that need our tokens (only once the
         // headers are in: their lanes are free then).
         if (inter) send_staged(progressed);
-        while (staged < my_nwin && (!inter || all_sent(staged)) && can_stage(staged)) {
+        while (staged < my_nwin && (!inter || sender->all_sent(staged)) && can_stage(staged)) {
           stage(staged);
           publish_staged();
           for (int p = 0; p < R; ++p)
@@ -599,8 +475,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         // and every source's windows are pulled.
         bool all = staged == my_nwin && can_stage(my_nwin + 1);
         if (inter)
-          all = forward_acks(progressed) && all && all_sent(my_nwin) &&
-                (last_ticket == 0 || inter->net->complete(last_ticket));
+          all = acks->step(progressed, receives, windows) && all && sender->all_sent(my_nwin) &&
+                sender->complete();
         for (int s : ctx.arrival_order()) {
           while (pulled[s] < nwin[s] &&
                  ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {

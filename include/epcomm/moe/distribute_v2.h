@@ -26,10 +26,19 @@ using TensorView = Tensor;
 // on the group's first call, or beforehand with init_group_context (recommended: a rank that misses the very
 // first call is then reported by the operators' deadline instead of the bootstrap's). It lives as long as
 // the Group. Calls on one group are made from one thread at a time, in the same order on every rank.
+//
+// Across nodes (comm_alg = "hierarchy", docs/internode.md): when the group's ranks span hosts (or virtual
+// nodes, ranks_per_node / EPCOMM_RANKS_PER_NODE), ranks on one node share memory and the nodes talk over UCX,
+// each token crossing the network once per destination node; results are bitwise those of one node. A TP
+// pair must sit on one node.
 
 struct GroupContextOptions {
   int64_t segment_bytes = 0;        // per rank; 0 = 64 MiB. Larger transfers move in rounds.
   std::optional<double> timeout_s;  // the group's default deadline; default: EPCOMM_TIMEOUT_S, else 100
+  // Node partition: P > 0 makes nodes of P consecutive ranks (it must divide the group size); 0 takes
+  // EPCOMM_RANKS_PER_NODE (a group of at most that many ranks is one node), else one node per host.
+  int ranks_per_node = 0;
+  int64_t num_rdma_bytes = 0;  // across nodes: the lanes per rank, split evenly over the nodes; 0 = 64 MiB
 };
 // Collective over `group`. Throws InvalidUsage when the group already has a context.
 void init_group_context(Group& group, const GroupContextOptions& options = {});
