@@ -99,6 +99,7 @@ struct Call {
       s.ctx->publish_failed_header(kind, msg);
     } catch (...) {
     }
+    s.ctx->release_lanes();  // across nodes: this call is over here, the peers' next one may send
   }
 
   // Runs one stage; on failure fails its group when fatal, warns `other` when it has not run yet.
@@ -106,6 +107,7 @@ struct Call {
   void run(Stage& s, Stage* other, Body&& body) {
     try {
       body(*s.ctx, [&s] { s.moving = true; });
+      s.ctx->release_lanes();  // across nodes: this call is over here, the peers' next one may send
     } catch (const Error& e) {
       stage_failed(s, e.what(), e.code());
       if (other) fail_header(*other, e.what());
@@ -122,6 +124,8 @@ struct Call {
     if (s.moving || code == ErrorCode::Timeout || code == ErrorCode::Internal || s.ctx->saw_peer_failure()) {
       if (s.group->failed.empty()) s.group->failed = msg;
       s.ctx->publish_failure(msg);
+    } else {
+      s.ctx->release_lanes();  // the group stays usable
     }
   }
 };

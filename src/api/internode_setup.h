@@ -30,9 +30,10 @@ struct InternodeParts {
 
 // Collective over the group. `node_of_rank` from node_partition (at least two nodes); `rdma_bytes` is the
 // lanes' total (0 = 64 MiB), split evenly across the nodes; `rdma_name` names that size in errors
-// ("num_rdma_bytes"). Throws InvalidUsage for unequal node sizes or lanes below the minimum.
+// ("num_rdma_bytes"); `peer_word` names peers in network errors ("ep rank"). Throws InvalidUsage for unequal
+// node sizes or lanes below the minimum.
 InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_rank, size_t segment_bytes,
                                int64_t rdma_bytes, const char* rdma_name, double timeout_s,
-                               const std::string& pre);
+                               const std::string& pre, const std::string& peer_word = "rank");
 
 }  // namespace epcomm::detail

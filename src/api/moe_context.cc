@@ -54,8 +54,9 @@ void create_context(Group& group, const GroupContextOptions& options) {
   ctx->size = group.size();
   ctx->timeout_s = timeout;
   if (*std::max_element(node_of.begin(), node_of.end()) > 0) {
-    detail::InternodeParts parts = detail::setup_internode(
-        group, node_of, static_cast<size_t>(bytes), options.num_rdma_bytes, "num_rdma_bytes", timeout, pre);
+    detail::InternodeParts parts =
+        detail::setup_internode(group, node_of, static_cast<size_t>(bytes), options.num_rdma_bytes,
+                                "num_rdma_bytes", timeout, pre, "ep rank");
     ctx->inter = std::move(parts.inter);
     ctx->node_bootstrap = std::move(parts.node_bootstrap);
     ctx->transport = std::move(parts.transport);

@@ -4,6 +4,7 @@
 // slots and stamps each slot, and the origin checks the stamps against its own mask and ids and reduces in
 // the fixed order (MoE slots by k, shared experts by s, shared_expert_x) with one rounding.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 #include "engine/distribute_v2.h"
@@ -42,6 +43,15 @@ bool stamp_is(uint64_t v, uint64_t seq, int64_t w) {
 }
 int stamp_writer(uint64_t v) {
   return static_cast<int>(v & 0x7FF) - 1;
+}
+
+// Across nodes, a proxy sends an origin the rows its node wrote into a window, compact: a 64-byte-aligned
+// block with the entry count and an (index in the window, writer) pair per entry, then the rows.
+size_t compact_head(int64_t entries) {
+  return align64(8 + 8 * static_cast<size_t>(entries));
+}
+size_t compact_bytes(int64_t entries, size_t row_stride) {
+  return compact_head(entries) + static_cast<size_t>(entries) * row_stride;
 }
 
 }  // namespace
@@ -146,7 +156,27 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
 
   // 2. Checks every rank makes alike: room for one token's slots, and every origin gets exactly the rows it
   // expects (its mask and ids) from rows whose tokens it has.
-  const CombineGeometry geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
+  Internode* inter = ctx.internode();
+  CombineGeometry geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
+  size_t ret_off = 0;  // internode: where a lane's data keeps the rows that come back (see below)
+  if (inter) {  // a remote origin's window lives in its proxy's lane, and goes back compact into the origin's
+    // Each half of a lane's data: the copy window of the mirrored origin (this rank as its proxy), then
+    // the rows that node returns for our own window (this rank as origin).
+    ret_off = inter->lane.data_bytes / 2 / kAlign * kAlign;
+    const size_t room = ret_off;
+    int64_t wl = combine_geometry(room, wire, slots, sizeof(uint64_t)).window;
+    while (wl > 0 && compact_bytes(wl * slots, geo.row_stride) > room) --wl;
+    if (wl < 1 && geo.window >= 1)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(),
+                   "capacity: num_rdma_bytes = ", inter->lane.bytes * inter->topo.num_nodes, " (one lane of ",
+                   inter->lane.bytes, " bytes per node) cannot hold the ", slots, " rows of one token (",
+                   wire, " bytes each) twice; the minimum is ",
+                   static_cast<size_t>(inter->topo.num_nodes) *
+                       (lane_overhead_bytes(inter->topo.ranks_per_node, W) +
+                        2 * (combine_min_data_bytes(wire, slots, sizeof(uint64_t)) + kAlign)),
+                   " bytes (GroupContextOptions::num_rdma_bytes)");
+    geo.window = std::min(geo.window, wl);
+  }
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
                  " bytes per rank) cannot hold the ", slots, " rows of one token (", wire,
@@ -220,6 +250,126 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
     }
   };
 
+  // Internode. As origin: the nodes that return rows to us (their proxies send them back compact, into our
+  // lane for that node). As proxy of rail peer o on node n: our node's rows for o's window collect in the
+  // lane we keep for n; we open o's windows there when o says so (meta_ready), and send each back once every
+  // rank of our node that returns rows to o has written its part.
+  const int M = inter ? inter->topo.num_nodes : 1;
+  std::vector<uint8_t> node_contributes(M, 0);
+  std::vector<const uint8_t*> remote_row;
+  std::vector<int32_t> remote_writer;
+  std::vector<int64_t> px_windows(M, 0), px_opened(M, 0), px_forwarded(M, 0);
+  std::vector<uint64_t> px_ticket(M, 0);
+  std::vector<std::vector<int32_t>> px_head(M);
+  std::vector<std::vector<Network::Piece>> px_pieces(M);
+  auto returns_to = [&](int d, int o) { return peer_counts(ctx, d)[count_origin(W, o)] > 0; };
+  struct Drain {
+    const OpContext& ctx;
+    ~Drain() { ctx.drain_writes(); }
+  } drain{ctx};
+  if (inter) {
+    const Topology& topo = inter->topo;
+    for (int s = 0; s < W; ++s)
+      if (contributes[s] && ctx.remote(s)) node_contributes[topo.node_of[s]] = 1;
+    remote_row.assign(static_cast<size_t>(per_window) * slots, nullptr);
+    remote_writer.assign(remote_row.size(), -1);
+    for (int n = 0; n < M; ++n) {
+      if (n == topo.node()) continue;
+      const int o = topo.rail(n);
+      for (int d : topo.node_ranks[topo.node()])
+        if (returns_to(d, o)) px_windows[n] = ceil_div(tokens_of[o], per_window);
+    }
+  }
+  // Origin: the rows of window w that came back from the other nodes (checked against our own arrivals).
+  auto gather_remote = [&](int64_t w, int64_t n_slots) {
+    std::fill(remote_row.begin(), remote_row.begin() + n_slots, nullptr);
+    for (int n = 0; n < M; ++n) {
+      if (!node_contributes[n]) continue;
+      const uint8_t* base = ctx.lane_base(me, n) + inter->lane.data + ret_off;
+      const int64_t count = *reinterpret_cast<const int32_t*>(base);
+      const int32_t* ent = reinterpret_cast<const int32_t*>(base + 8);
+      const uint8_t* rows_at = base + compact_head(count);
+      EPCOMM_CHECK(count >= 0 && count <= n_slots, ctx.prefix(), "internal: node ", n, " returned ", count,
+                   " rows for window ", w, " of ", n_slots, " slots");
+      for (int64_t e = 0; e < count; ++e) {
+        const int32_t idx = ent[2 * e], writer = ent[2 * e + 1];
+        EPCOMM_CHECK(idx >= 0 && idx < n_slots, ctx.prefix(), "internal: node ", n, " returned slot ", idx,
+                     " outside window ", w);
+        const uint64_t local = tag_at(me, idx)->load(std::memory_order_acquire);
+        const int other = remote_row[idx]           ? remote_writer[idx]
+                          : stamp_is(local, seq, w) ? stamp_writer(local)
+                                                    : -1;
+        if (other >= 0)
+          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", other, " and ",
+                       ctx.peer_word(), " ", writer,
+                       " both return a row for (t=", w * per_window + idx / slots, ", slot=", idx % slots,
+                       ") of this rank (duplicate row)");
+        remote_row[idx] = rows_at + static_cast<size_t>(e) * geo.row_stride;
+        remote_writer[idx] = writer;
+      }
+    }
+  };
+  // Proxy: one pass over the rail peers whose windows we hold; true once all went back.
+  auto proxy_step = [&](bool& progressed) {
+    const Topology& topo = inter->topo;
+    bool all = true;
+    for (int n = 0; n < M; ++n) {
+      if (n == topo.node() || px_forwarded[n] == px_windows[n]) continue;
+      all = false;
+      const int o = topo.rail(n);
+      LaneControl* lc = ctx.lane_control(me, n);
+      const int64_t w = px_opened[n];
+      if (px_opened[n] == px_forwarded[n] &&
+          lc->meta_ready.load(std::memory_order_acquire) >= pack(seq, w + 1) &&
+          (px_ticket[n] == 0 || inter->net->complete(px_ticket[n]))) {
+        const int64_t t0 = w * per_window, t1 = std::min(tokens_of[o], t0 + per_window);
+        for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx)
+          tag_at(o, idx)->store(0, std::memory_order_relaxed);
+        lc->mirror.combine_open.store(pack(seq, w + 1), std::memory_order_seq_cst);
+        ctx.notify_all();
+        ++px_opened[n];
+        progressed = true;
+      }
+      if (px_forwarded[n] == px_opened[n]) continue;
+      const int64_t fw = px_forwarded[n];
+      bool ready = true;
+      for (int d : topo.node_ranks[topo.node()])
+        ready = ready && (!returns_to(d, o) ||
+                          ctx.cell(o, d)->done.load(std::memory_order_acquire) >= pack(seq, fw + 1));
+      if (!ready) continue;
+      const int64_t t0 = fw * per_window, t1 = std::min(tokens_of[o], t0 + per_window);
+      std::vector<int32_t>& head = px_head[n];
+      head.assign(2, 0);
+      for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx) {
+        const uint64_t v = tag_at(o, idx)->load(std::memory_order_acquire);
+        if (!stamp_is(v, seq, fw)) continue;
+        head.push_back(static_cast<int32_t>(idx));
+        head.push_back(stamp_writer(v));
+      }
+      const int64_t count = static_cast<int64_t>(head.size() / 2 - 1);
+      head[0] = static_cast<int32_t>(count);
+      head.resize(compact_head(count) / 4, 0);
+      std::vector<Network::Piece>& pcs = px_pieces[n];
+      pcs.assign(1, Network::Piece{head.data(), compact_head(count)});
+      const uint8_t* area = ctx.data(o);
+      for (int64_t a = 0; a < count;) {  // runs of consecutive slots are contiguous in the window
+        int64_t b = a + 1;
+        while (b < count && head[2 + 2 * b] == head[2 + 2 * (b - 1)] + 1) ++b;
+        pcs.push_back({area + static_cast<size_t>(head[2 + 2 * a]) * geo.row_stride,
+                       static_cast<size_t>(b - a) * geo.row_stride});
+        a = b;
+      }
+      px_ticket[n] =
+          ctx.write_lane(o, pcs.data(), static_cast<int>(pcs.size()), inter->lane.data + ret_off,
+                         offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done), pack(seq, fw + 1));
+      inter->rows_sent += static_cast<uint64_t>(count);
+      inter->row_bytes_sent += static_cast<uint64_t>(count) * wire;
+      ++px_forwarded[n];
+      progressed = true;
+    }
+    return all;
+  };
+
   // Origin: reduce window w into the outputs.
   const int64_t my_windows = in.bs > 0 ? ceil_div(in.bs, per_window) : 0;
   uint8_t* my_area = ctx.data(me);
@@ -235,23 +385,30 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
   };
   auto reduce = [&](int64_t w) {
     const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
+    if (inter) gather_remote(w, (t1 - t0) * slots);
     for (int64_t t = t0; t < t1; ++t) {
       const bool act = in.active[t];
       int n = 0;
       for (int s = 0; s < slots; ++s) {
         const int64_t idx = (t - t0) * slots + s;
         const uint64_t v = tag_at(me, idx)->load(std::memory_order_acquire);
-        const bool arrived = stamp_is(v, seq, w);
+        bool arrived = stamp_is(v, seq, w);
+        int writer = stamp_writer(v);
+        const uint8_t* src = my_area + static_cast<size_t>(idx) * geo.row_stride;
+        if (inter && remote_row[idx]) {
+          arrived = true;
+          writer = remote_writer[idx];
+          src = remote_row[idx];
+        }
         const bool wanted = act && (s >= K || in.ids[t * K + s] >= 0);
         if (arrived && !wanted)
-          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(v),
+          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", writer,
                        " returned a row for (t=", t, ", slot=", s, "), which is not active on this rank (",
                        act ? "expert_ids / x_active_mask slot" : "masked token", ")");
         if (!arrived && wanted)
           EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: no rank returned a row for (t=", t,
                        ", slot=", s, "), an active slot of this rank (another row went elsewhere)");
         if (!wanted) continue;
-        const uint8_t* src = my_area + static_cast<size_t>(idx) * geo.row_stride;
         if (in.comm_quant == 2) {
           uint8_t* dec = decoded.data() + static_cast<size_t>(s) * row_bytes;
           quant::int8_group8_combine_dequant(in.dt, reinterpret_cast<const int8_t*>(src),
@@ -301,7 +458,12 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
             tag_at(me, idx)->store(0, std::memory_order_relaxed);
           ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
           for (int s = 0; s < W; ++s)
-            if (contributes[s] && s != me) ctx.notify(s);
+            if (contributes[s] && s != me && !ctx.remote(s)) ctx.notify(s);
+          if (inter)  // the proxies of the nodes that return rows to us open their copy of the window
+            for (int n = 0; n < inter->topo.num_nodes; ++n)
+              if (node_contributes[n])
+                ctx.write_lane(inter->topo.rail(n), nullptr, 0, 0, offsetof(LaneControl, meta_ready),
+                               pack(seq, reduced + 1));
           open = true;
           progressed = true;
         }
@@ -322,17 +484,33 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
           open = false;
           progressed = true;
         }
+        if (inter) all = proxy_step(progressed) && all;
         return all && reduced == my_windows;
       },
       [&] {
         std::vector<int> peers;  // origins whose windows we still fill, then contributors we wait for
         for (int o = 0; o < W; ++o)
           if (filled[o] < nwin[o] && o != me) peers.push_back(o);
+        auto add = [&](int r) {
+          if (r != me && std::find(peers.begin(), peers.end(), r) == peers.end()) peers.push_back(r);
+        };
         if (open)
           for (int s = 0; s < W; ++s)
-            if (contributes[s] && s != me && std::find(peers.begin(), peers.end(), s) == peers.end() &&
+            if (contributes[s] &&
                 ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, reduced + 1))
-              peers.push_back(s);
+              add(s);
+        if (inter)  // as proxy: origins whose next window we await, contributors of the open one
+          for (int n = 0; n < inter->topo.num_nodes; ++n) {
+            if (n == inter->topo.node() || px_forwarded[n] == px_windows[n]) continue;
+            const int o = inter->topo.rail(n);
+            if (px_opened[n] == px_forwarded[n])
+              add(o);
+            else
+              for (int d : inter->topo.node_ranks[inter->topo.node()])
+                if (returns_to(d, o) &&
+                    ctx.cell(o, d)->done.load(std::memory_order_acquire) < pack(seq, px_opened[n]))
+                  add(d);
+          }
         return peers;
       });
 }

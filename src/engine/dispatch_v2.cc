@@ -5,8 +5,10 @@
 // all-gathers its rows (own rows first).
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "engine/distribute_v2.h"
+#include "engine/forward.h"
 #include "engine/kernels.h"
 #include "engine/pair_exchange.h"
 #include "quant/block.h"
@@ -89,16 +91,18 @@ void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, s
 }
 
 // One sender's staging geometry (equal on every rank that reads it: it follows from the sender's header).
+// Internode, a remote sender's windows arrive compact in its proxy's lane (engine/forward.h).
 struct SenderGeometry {
   size_t payload_stride = 0;
   DispatchGeometry geo{};
+  size_t lane_half = 0, net_meta = 0;
   int payloads = 1;
 };
 SenderGeometry sender_geometry(const OpContext& ctx, const RowFormat& f, int K, int payloads) {
   SenderGeometry g;
   g.payloads = payloads;
   g.payload_stride = align64(std::max<size_t>(f.data_bytes + f.scale_bytes, 1));
-  g.geo = dispatch_geometry(ctx.layout().data_bytes, g.payload_stride * payloads, meta_bytes(K));
+  g.geo = window_geometry(ctx, g.payload_stride * payloads, meta_bytes(K), g.lane_half, g.net_meta);
   return g;
 }
 
@@ -129,6 +133,36 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
       if (lay.shared_serves(p, me)) dest[p] = 1;
   const bool any_dest = std::find(dest.begin(), dest.end(), 1) != dest.end();
   const int64_t my_windows = any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0;
+
+  int64_t staged = 0;  // windows staged so far
+
+  // Internode: each other node gets, compact, the active tokens routed to one of its ranks (all active tokens
+  // when one of its shared-expert ranks serves us); as proxy of our rail peers we forward our node's acks.
+  Internode* inter = ctx.internode();
+  std::optional<WindowSender> sender;
+  std::optional<AckForwarder> acks;
+  if (inter) {
+    const Topology& topo = inter->topo;
+    const int M = topo.num_nodes;
+    std::vector<uint8_t> shared_node(M, 0);
+    if (n_active > 0)
+      for (int p = 0; p < lay.Sr; ++p)
+        if (lay.shared_serves(p, me)) shared_node[topo.node_of[p]] = 1;
+    std::vector<std::vector<int32_t>> node_tokens(M);
+    std::vector<uint8_t> needs(M);
+    for (int64_t t = 0; t < in.bs; ++t) {
+      if (!in.active[t]) continue;
+      needs = shared_node;
+      for (int k = 0; k < K; ++k)
+        if (int32_t e = in.ids[t * K + k]; e >= 0) needs[topo.node_of[lay.rank_of(e)]] = 1;
+      for (int n = 0; n < M; ++n)
+        if (n != topo.node() && needs[n]) node_tokens[n].push_back(static_cast<int32_t>(t));
+    }
+    sender.emplace(ctx, ctx.data(me), mine.geo, mine.lane_half, mine.net_meta, in.bs,
+                   static_cast<size_t>(f.data_bytes + f.scale_bytes) * my_payloads, std::move(node_tokens));
+    acks.emplace(ctx);
+  }
+  auto send_staged = [&](bool& progressed) { sender->send_staged(staged, progressed); };
 
   // Staging (the area is free: every call ends only once its peers are done with it).
   uint8_t* my_area = ctx.data(me);
@@ -161,7 +195,6 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
     }
   };
   const uint64_t seq = ctx.seq();
-  int64_t staged = 0;
   auto publish_staged = [&] {
     ++staged;
     ctx.control(me)->stage_ready.store(pack(seq, staged), std::memory_order_seq_cst);
@@ -182,7 +215,10 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
     stage(staged);
     publish_staged();
   }
-  ctx.exchange_headers();
+  if (inter)
+    ctx.exchange_headers(send_staged);
+  else
+    ctx.exchange_headers();
   check_params(ctx, OpKind::dispatch_v2,
                {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
                 kParamDtype, kParamQuantMode, kParamOutDtype},
@@ -194,6 +230,14 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
   for (int s = 0; s < W; ++s) {
     geos[s] = sender_geometry(ctx, f, K, peer_counts(ctx, s)[E + kCountPayloads]);
     tokens_of[s] = ctx.header(s)->num_tokens;
+    if (geos[s].geo.window < 1 && inter &&
+        dispatch_geometry(ctx.layout().data_bytes, geos[s].geo.row_stride, meta_bytes(K)).window >= 1)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(),
+                   "capacity: num_rdma_bytes = ", inter->lane.bytes * inter->topo.num_nodes, " (one lane of ",
+                   inter->lane.bytes, " bytes per node) cannot hold one forwarded token of ep rank ", s, " (",
+                   geos[s].geo.row_stride + geos[s].net_meta, " bytes); the minimum is ",
+                   min_rdma_bytes_for(ctx, geos[s].geo, geos[s].net_meta),
+                   " bytes (GroupContextOptions::num_rdma_bytes)");
     if (geos[s].geo.window < 1)
       EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
                    " bytes per rank) cannot hold one staged token of ep rank ", s, " (",
@@ -246,13 +290,11 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
   };
   auto pull = [&](int s, int64_t w) {
     const SenderGeometry& g = geos[s];
-    const int64_t pw = g.geo.window;
-    const uint8_t* half = ctx.data(s) + static_cast<size_t>(w % 2) * g.geo.half_bytes;
-    const int64_t t0 = w * pw, t1 = std::min(tokens_of[s], t0 + pw);
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* rec = half + static_cast<size_t>(t - t0) * g.geo.row_stride;
-      const uint8_t* meta =
-          half + static_cast<size_t>(pw) * g.geo.row_stride + static_cast<size_t>(t - t0) * g.geo.meta_stride;
+    const StagedWindow win = StagedWindow::of(ctx, s, w, g.geo, g.lane_half, g.net_meta, tokens_of[s]);
+    for (int64_t e = 0; e < win.count; ++e) {
+      const int64_t t = win.token(e);
+      const uint8_t* rec = win.payload(e);
+      const uint8_t* meta = win.meta(e);
       uint32_t act;
       std::memcpy(&act, meta + 8 * K, 4);
       if (!act) continue;
@@ -279,18 +321,34 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
       if (dest[p] && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, windows)) return false;
     return true;
   };
-  auto can_stage = [&](int64_t w) { return w < 2 || acked_by_all(w - 1); };
+  auto can_stage = [&](int64_t w) {
+    if (w < 2) return true;
+    return acked_by_all(w - 1) && (!inter || (sender->all_sent(w - 1) && sender->half_free(w)));
+  };
+  // As proxy of rail peer s: the ranks of our node that pull rows from s (its counts say so).
+  auto receives = [&](int s, int d) {
+    const int32_t* pc = peer_counts(ctx, s);
+    if (lay.is_shared(d)) return lay.shared_serves(d, s) && pc[E + kCountActive] > 0;
+    for (int el = 0; el < lay.L; ++el)
+      if (pc[(d - lay.Sr) * lay.L + el] > 0) return true;
+    return false;
+  };
+  auto windows = [&](int s) { return ceil_div(tokens_of[s], geos[s].geo.window); };
   ctx.run(
       "dispatch rows",
       [&](bool& progressed) {
-        while (staged < my_windows && can_stage(staged)) {
+        if (inter) send_staged(progressed);
+        while (staged < my_windows && (!inter || sender->all_sent(staged)) && can_stage(staged)) {
           stage(staged);
           publish_staged();
           for (int p = 0; p < W; ++p)
-            if (dest[p] && p != me) ctx.notify(p);
+            if (dest[p] && p != me && !ctx.remote(p)) ctx.notify(p);
           progressed = true;
         }
         bool all = staged == my_windows && (my_windows == 0 || acked_by_all(my_windows));
+        if (inter)
+          all = acks->step(progressed, receives, windows) && all && sender->all_sent(my_windows) &&
+                sender->complete();
         for (int s : ctx.arrival_order()) {
           while (pulled[s] < nwin[s] &&
                  ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {

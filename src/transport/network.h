@@ -27,7 +27,8 @@ struct NetworkOptions {
   // the sending rank; also after a peer failed (with that peer). Typically rings local doorbells. Must not
   // block or throw.
   std::function<void(int peer)> on_arrival;
-  double timeout_s = 100;  // setup and teardown deadline
+  double timeout_s = 100;          // setup and teardown deadline
+  std::string peer_word = "rank";  // how errors name a peer ("connection to rank 3 failed: ...")
 };
 
 // Counters since creation (for tests and the bench): what this rank handed to the network.

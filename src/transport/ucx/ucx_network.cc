@@ -205,7 +205,7 @@ void UcxNetwork::connect(int peer_rank, const std::vector<std::byte>& address,
   ucs_status_t st = ucp_ep_create(worker_, &ep, &raw->ep);
   if (st != UCS_OK) {
     raw->ep = nullptr;
-    EPCOMM_THROW(SystemError, "connection to rank ", peer_rank, " failed: ", status_text(st));
+    EPCOMM_THROW(SystemError, "connection to ", name(peer_rank), " failed: ", status_text(st));
   }
   if (!rkey.empty()) {
     st = ucp_ep_rkey_unpack(raw->ep, rkey.data(), &raw->rkey);
@@ -221,9 +221,9 @@ void UcxNetwork::wait_wireup() {
     ucp_request_param_t rp{};
     ucs_status_t st = wait_request(ucp_ep_flush_nbx(p->ep, &rp), deadline);
     if (st == UCS_ERR_TIMED_OUT)
-      EPCOMM_THROW(Timeout, "make_ucx_network: connection to rank ", p->rank, " not established within ",
+      EPCOMM_THROW(Timeout, "make_ucx_network: connection to ", name(p->rank), " not established within ",
                    options_.timeout_s, " s");
-    if (st != UCS_OK) EPCOMM_THROW(Aborted, "connection to rank ", p->rank, " failed: ", status_text(st));
+    if (st != UCS_OK) EPCOMM_THROW(Aborted, "connection to ", name(p->rank), " failed: ", status_text(st));
   }
 }
 

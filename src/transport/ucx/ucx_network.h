@@ -162,6 +162,8 @@ class UcxNetwork final : public Network {
                           const ucp_am_recv_param_t* param);
   void land(Peer& p, const WireHeader& h, bool has_signal);
   void record_failure(Peer& p, const std::string& message);
+  // A rank as errors name it ("rank 3", or "ep rank 3": NetworkOptions::peer_word).
+  std::string name(int rank) const { return detail::cat(options_.peer_word, " ", rank); }
   void depart(Peer& p);
   bool say_goodbye(Clock::time_point deadline) noexcept;  // false: a goodbye did not go out in time
   void notify(int peer_rank);

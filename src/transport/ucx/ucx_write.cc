@@ -93,7 +93,7 @@ void UcxNetwork::send_put(SendOp* op, const Piece* pieces, int num_pieces) {
     if (is_request(req)) ucp_request_free(req);  // the flush below tells when it is done
     if (UCS_PTR_IS_ERR(req)) {
       record_failure(
-          p, detail::cat("connection to rank ", p.rank, " failed: ", status_text(UCS_PTR_STATUS(req))));
+          p, detail::cat("connection to ", name(p.rank), " failed: ", status_text(UCS_PTR_STATUS(req))));
       break;  // the flush reports the failure to this op
     }
     at += pieces[i].bytes;
@@ -126,7 +126,7 @@ void UcxNetwork::started(ucs_status_ptr_t req, SendOp* op) {
 void UcxNetwork::finish_send(SendOp* op, ucs_status_t status) {
   if (status != UCS_OK && status != UCS_ERR_CANCELED)
     record_failure(*op->peer,
-                   detail::cat("connection to rank ", op->peer->rank, " failed: ", status_text(status)));
+                   detail::cat("connection to ", name(op->peer->rank), " failed: ", status_text(status)));
   if (op->ticket) tickets_.finish(op->ticket);
   in_flight_.fetch_sub(1);
   delete op;
@@ -147,8 +147,8 @@ void UcxNetwork::on_flush_done(void* request, ucs_status_t status, void* user_da
   net->in_flight_.fetch_sub(1);
   if (status != UCS_OK || op->peer->failed.load()) {
     if (status != UCS_OK && status != UCS_ERR_CANCELED)
-      net->record_failure(
-          *op->peer, detail::cat("connection to rank ", op->peer->rank, " failed: ", status_text(status)));
+      net->record_failure(*op->peer, detail::cat("connection to ", net->name(op->peer->rank),
+                                                 " failed: ", status_text(status)));
     delete op;
     return;
   }
@@ -208,8 +208,8 @@ void UcxNetwork::on_recv_done(void* request, ucs_status_t status, size_t, void* 
   UcxNetwork* net = op->net;
   if (request) ucp_request_free(request);
   if (status != UCS_OK && status != UCS_ERR_CANCELED)
-    net->record_failure(*op->peer,
-                        detail::cat("connection to rank ", op->peer->rank, " failed: ", status_text(status)));
+    net->record_failure(*op->peer, detail::cat("connection to ", net->name(op->peer->rank),
+                                               " failed: ", status_text(status)));
   net->land(*op->peer, op->header, status == UCS_OK);
   net->in_flight_.fetch_sub(1);
   delete op;
@@ -257,7 +257,7 @@ void UcxNetwork::depart(Peer& p) {
   std::lock_guard lock(fail_mu_);
   p.departed = true;
   if (p.failed.load()) return;
-  p.failure = detail::cat("rank ", p.rank, " closed its connection to rank ", rank_);
+  p.failure = detail::cat(name(p.rank), " closed its connection to ", name(rank_));
   p.failed.store(true);
 }
 
@@ -267,7 +267,8 @@ void UcxNetwork::notify(int peer_rank) {
 
 void UcxNetwork::on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* p = static_cast<Peer*>(arg);
-  p->net->record_failure(*p, detail::cat("connection to rank ", p->rank, " failed: ", status_text(status)));
+  p->net->record_failure(
+      *p, detail::cat("connection to ", p->net->name(p->rank), " failed: ", status_text(status)));
 }
 
 std::string UcxNetwork::failure() const {
