@@ -86,6 +86,25 @@ double group_timeout_s(Group& group) {
   return group.moe_context() ? group.moe_context()->timeout_s : env::timeout_s();
 }
 
+int group_num_nodes(Group& group) {
+  const GroupContext* c = group.moe_context().get();
+  if (!c) return 0;
+  return c->inter ? c->inter->topo.num_nodes : 1;
+}
+
+GroupNetworkCounters group_network_counters(Group& group) {
+  GroupNetworkCounters out;
+  GroupContext* c = group.moe_context().get();
+  if (!c || !c->inter || !c->network) return out;
+  std::lock_guard<std::mutex> lock(c->call);  // not while a call runs
+  out.rows = static_cast<int64_t>(c->inter->rows_sent);
+  out.row_bytes = static_cast<int64_t>(c->inter->row_bytes_sent);
+  const NetworkCounters n = c->network->counters();
+  out.network_bytes = static_cast<int64_t>(n.payload_bytes);
+  out.network_writes = static_cast<int64_t>(n.writes);
+  return out;
+}
+
 std::shared_ptr<Group> split_group(Group& parent, int color, int key) {
   struct Entry {
     int32_t color, key;

@@ -28,6 +28,8 @@ V2Groups make_v2_groups(RankCtx& ctx, int tp_world_size, int64_t segment_bytes, 
   moe::GroupContextOptions o;
   o.segment_bytes = segment_bytes;
   o.timeout_s = timeout_s;
+  // Across (virtual) nodes the lanes are small too, so that windows move through them in rounds.
+  o.num_rdma_bytes = 4 * segment_bytes;
   moe::init_group_context(*g.ep, o);
   if (g.tp) moe::init_group_context(*g.tp, o);
   return g;

@@ -44,6 +44,17 @@ struct GroupContextOptions {
 void init_group_context(Group& group, const GroupContextOptions& options = {});
 // The group's default deadline in seconds (creates nothing; the default when no context exists yet).
 double group_timeout_s(Group& group);
+// Number of nodes the group's context spans (1 on one node; 0 when the group has no context yet).
+int group_num_nodes(Group& group);
+
+// Across nodes: what this rank handed to the network for the group since its context was created. rows:
+// dispatch_v2 token records sent to other nodes (one per distinct (token, destination node)) plus combine_v2
+// rows sent back as proxy; row_bytes: their payload bytes; network_bytes / network_writes: everything,
+// metadata and signals included. All zero on one node or without a context.
+struct GroupNetworkCounters {
+  int64_t rows = 0, row_bytes = 0, network_bytes = 0, network_writes = 0;
+};
+GroupNetworkCounters group_network_counters(Group& group);
 
 // Collective over `parent`: the ranks with the same `color` form a new Group, ranked by (key, parent rank).
 // All ranks must be on one host (a local bootstrap named after the parent's unique id).
