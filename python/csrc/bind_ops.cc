@@ -293,14 +293,31 @@ void bind_ops(py::module_& m) {
         py::arg("kwargs"), "epcomm::moe::combine_add_rms_norm; kwargs by aclnn name (see epcomm.ops).");
   m.def(
       "moe_init_group_context",
-      [](const std::shared_ptr<Group>& g, int64_t segment_bytes, std::optional<double> timeout_s) {
+      [](const std::shared_ptr<Group>& g, int64_t segment_bytes, std::optional<double> timeout_s,
+         int ranks_per_node, int64_t num_rdma_bytes) {
         moe::GroupContextOptions o;
         o.segment_bytes = segment_bytes;
         o.timeout_s = timeout_s;
+        o.ranks_per_node = ranks_per_node;
+        o.num_rdma_bytes = num_rdma_bytes;
         // Collective through the group's Python bootstrap callbacks, which run on this thread: keep the GIL.
         moe::init_group_context(*g, o);
       },
-      py::arg("group"), py::arg("segment_bytes") = 0, py::arg("timeout_s") = py::none());
+      py::arg("group"), py::arg("segment_bytes") = 0, py::arg("timeout_s") = py::none(),
+      py::arg("ranks_per_node") = 0, py::arg("num_rdma_bytes") = 0);
+  m.def(
+      "moe_group_network_counters",
+      [](const std::shared_ptr<Group>& g) {
+        const moe::GroupNetworkCounters c = moe::group_network_counters(*g);
+        py::dict d;
+        d["rows"] = c.rows;
+        d["row_bytes"] = c.row_bytes;
+        d["network_bytes"] = c.network_bytes;
+        d["network_writes"] = c.network_writes;
+        d["num_nodes"] = moe::group_num_nodes(*g);
+        return d;
+      },
+      py::arg("group"));
 }
 
 }  // namespace epcomm::python

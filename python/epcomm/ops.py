@@ -45,6 +45,50 @@ def unregister_group(name):
     _registry.pop(name, None)
 
 
+def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0, num_rdma_bytes=0):
+    """Creates the operator context of `group` (a ProcessGroup, an epcomm.Group or a registered name) with
+    these options, collectively over the group; raises InvalidUsageError when it already has one. Optional:
+    without it the context gets the defaults on the group's first call.
+
+    segment_bytes: shared memory per rank (0 = 64 MiB; larger transfers move in rounds). timeout_s: the
+    group's deadline (default EPCOMM_TIMEOUT_S, else 100). ranks_per_node: P > 0 splits the group into nodes of
+    P consecutive ranks that talk over UCX (virtual nodes on one host); 0 = EPCOMM_RANKS_PER_NODE, else one
+    node per host. num_rdma_bytes: across nodes, the per-rank lanes (0 = 64 MiB). See docs/internode.md."""
+    from .group import Group
+
+    g = _resolve("init_group_context", "group", group, None, True)
+    if isinstance(g, dist.ProcessGroup):
+        if g in _groups:
+            raise InvalidUsageError("init_group_context: argument: the group already has a context (created "
+                                    "by an earlier call)")
+        c = Group(g)
+        _C.moe_init_group_context(c._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes)
+        _groups[g] = c
+        return
+    if not isinstance(g, Group):
+        raise InvalidUsageError(f"init_group_context: argument: group: expected a torch.distributed ProcessGroup, "
+                                f"an epcomm.Group or a registered name, got {type(g).__name__}")
+    _C.moe_init_group_context(g._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes)
+
+
+def group_network_counters(group):
+    """What this rank sent over the network for `group` since its context was created, as a dict: rows
+    (dispatch records sent to other nodes, one per distinct (active token, node), plus combine rows returned
+    as proxy), row_bytes, network_bytes, network_writes, and num_nodes (0 before the context exists)."""
+    from .group import Group
+
+    g = _resolve("group_network_counters", "group", group, None, True)
+    if isinstance(g, dist.ProcessGroup):
+        c = _groups.get(g)
+        if c is None:
+            return {"rows": 0, "row_bytes": 0, "network_bytes": 0, "network_writes": 0, "num_nodes": 0}
+        g = c
+    if not isinstance(g, Group):
+        raise InvalidUsageError(f"group_network_counters: argument: group: expected a torch.distributed "
+                                f"ProcessGroup, an epcomm.Group or a registered name, got {type(g).__name__}")
+    return _C.moe_group_network_counters(g._c)
+
+
 def _resolve(op, which, value, override, required):
     """The group named by group_ep/group_tp (a Group, a ProcessGroup or a registered name), unless the
     matching epcomm keyword (ep_group/tp_group) is given."""

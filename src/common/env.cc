@@ -20,8 +20,9 @@ const Knob kKnobs[] = {
      "outnumber "
      "cores)"},
     {"EPCOMM_RANKS_PER_NODE", "0",
-     "node partition of Buffers created with ranks_per_node = 0: P > 0 splits the ranks into nodes of P "
-     "consecutive ranks (virtual nodes on one host talk over UCX only); 0 = one node per host"},
+     "node partition when a Buffer or a distribute-v2 group context is created with ranks_per_node = 0: "
+     "P > 0 splits the ranks into nodes of P consecutive ranks (virtual nodes on one host talk over UCX "
+     "only; a v2 group of at most P ranks is one node); 0 = one node per host"},
     {"EPCOMM_UCX_WRITE", "am",
      "how the UCX transport writes into a peer's region: am (active messages) or put (RMA puts, then a "
      "signal "

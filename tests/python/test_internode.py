@@ -51,3 +51,45 @@ def _body(rank, world):
 @pytest.mark.parametrize("world", [4])
 def test_two_virtual_nodes_match_one_node(world):
     spawn(_body, world, env={"UCX_TLS": "tcp"})
+
+
+def _v2_body(rank, world):
+    """distribute-v2 across two virtual nodes: every output of dispatch_v2 and combine_v2 equals the one-node
+    run bit for bit (the reduction order is fixed by spec §6), and rows crossed the network."""
+    from epcomm import ops
+
+    E, K, H, bs = 2 * world, 3, 128, 29 + rank
+    g = torch.Generator().manual_seed(500 + rank)
+    x = torch.randn(bs, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(bs)]).to(torch.int32)
+    w = torch.rand(bs, K, generator=g)
+    one = dist.new_group(list(range(world)))
+    two = dist.new_group(list(range(world)))
+    ops.init_group_context(one, segment_bytes=1 << 20, ranks_per_node=world)
+    ops.init_group_context(two, segment_bytes=1 << 20, ranks_per_node=2, num_rdma_bytes=4 << 20)
+    assert ops.group_network_counters(one)["num_nodes"] == 1
+    assert ops.group_network_counters(two)["num_nodes"] == world // 2
+    outs = []
+    for pg in (one, two):
+        d = ops.npu_moe_distribute_dispatch_v2(x, ids, pg, world, rank, E, expert_scales=w, quant_mode=2,
+                                               global_bs=40 * world)
+        # The "experts": random rows, the same on both runs (the dispatch outputs are equal).
+        expert_out = torch.randn(d[0].shape, generator=torch.Generator().manual_seed(7 + rank)).to(torch.bfloat16)
+        c = ops.npu_moe_distribute_combine_v2(expert_out, ids, d[2], d[4], w, pg, world, rank, E,
+                                              comm_quant_mode=2, global_bs=40 * world)
+        outs.append((d, c))
+    (d1, c1), (d2, c2) = outs
+    for i, (a, b) in enumerate(zip(d1, d2)):
+        if a is None:
+            assert b is None, i
+            continue
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), f"dispatch output {i} differs"
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8)), "combine_v2 differs across nodes"
+    assert ops.group_network_counters(two)["rows"] > 0, ops.group_network_counters(two)
+    assert ops.group_network_counters(one)["rows"] == 0
+
+
+@pytest.mark.parametrize("world", [4])
+def test_v2_two_virtual_nodes_match_one_node(world):
+    spawn(_v2_body, world, env={"UCX_TLS": "tcp"})
