@@ -201,6 +201,38 @@ MR_CASE("v2_internode_dedup", {}) {
           " outside [rows ", rows_bytes, ", rows + metadata bound ", rows_bytes + bound, "]");
 }
 
+// A TP pair split over two nodes is refused on both ranks, naming tp_group, before anything moves; the EP
+// groups (one rank each) stay usable.
+MR_CASE("v2_tp_across_nodes", {}) {
+  const int P = partition_or_skip(ctx);
+  REQUIRE(P == 1 && ctx.size == 2, "runs as two nodes of one rank (2x1), got ", ctx.size, " ranks, P = ", P);
+  v2::V2Groups g = v2::make_v2_groups(ctx, 2, 1 << 20);
+  REQUIRE(moe::group_num_nodes(*g.tp) == 2, "the TP pair spans ", moe::group_num_nodes(*g.tp), " nodes");
+  v2::V2Run run;
+  run.spec.W = 1;
+  run.spec.T = 2;
+  run.spec.E = 2;
+  run.spec.K = 1;
+  run.spec.H = 32;
+  run.spec.bs = 4;
+  bool raised = false;
+  try {
+    v2::run_v2(g, run);
+  } catch (const Error& e) {
+    raised = true;
+    const std::string m = e.what();
+    REQUIRE(e.code() == ErrorCode::InvalidUsage, "code ", static_cast<int>(e.code()), ": ", m);
+    REQUIRE(m.find("tp_group") != std::string::npos && m.find("different nodes") != std::string::npos,
+            "the error does not name tp_group and the nodes: ", m);
+  }
+  REQUIRE(raised, "a TP pair across nodes was accepted");
+  run.spec.T = 0;  // the EP group alone still works
+  v2::V2Groups ep_only;
+  ep_only.ep = g.ep;
+  ep_only.ep_rank = g.ep_rank;
+  v2::run_v2(ep_only, run);
+}
+
 // Run by tests/multirank/link_cut.sh: two nodes in two network namespaces joined by a veth pair. Rounds of
 // dispatch + combine run until the script cuts the link (rank 0 drops a marker file after the first round);
 // then every rank must fail with an error naming a peer, and tear down within its deadline.
