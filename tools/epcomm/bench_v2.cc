@@ -32,14 +32,18 @@ const char* kEpilog =
     "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
     "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, launcher, iters, warmup, selections,\n"
     "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, gbps_per_rank,\n"
-    "gbps, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes.\n\n"
+    "gbps, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes, nodes, network_bytes, network_gbps.\n\n"
     "Byte formula (as the accelerator libraries count it, per (token, expert) selection):\n"
     "  selections     = tokens x topk (each rank's own tokens; shared experts not counted)\n"
     "  dispatch bytes = selections x row_bytes, row_bytes = H x elem of expand_x + scale bytes per row\n"
     "  combine bytes  = selections x H x 2 (bf16/fp16 rows; comm_quant_mode 2 still counts 2 bytes)\n"
     "  gbps_per_rank  = bytes_per_rank / time_us_median / 1e3;  gbps = ranks x gbps_per_rank\n"
     "  memcpy_gbps: every rank memcpy's 32 MiB at once, aggregate bytes / slowest time, median of 5;\n"
-    "  ratio_to_memcpy = gbps / memcpy_gbps.\n\n"
+    "  ratio_to_memcpy = gbps / memcpy_gbps.\n"
+    "Across nodes (--ranks-per-node P, or EPCOMM_RANKS_PER_NODE; set UCX_TLS=tcp on one host):\n"
+    "  nodes: nodes the group spans; network_bytes: bytes all ranks handed to the network in one call\n"
+    "  (rows, metadata, signals; mean of the timed calls); network_gbps = network_bytes / time_us_median / "
+    "1e3.\n\n"
     "Exit status: 0 when every check passed, 1 when one failed or a runtime error, 2 a usage error.\n";
 
 struct V2BenchOptions {
@@ -49,6 +53,8 @@ struct V2BenchOptions {
   DType dtype = DType::bf16;
   uint64_t seed = 1;
   int64_t segment_bytes = 0;
+  int ranks_per_node = 0;      // 0: EPCOMM_RANKS_PER_NODE, else one node per host
+  int64_t num_rdma_bytes = 0;  // across nodes: lanes per rank (0 = 64 MiB)
   Launcher launcher = Launcher::fork;
   std::optional<double> timeout_s;
   bool quiet = false;
@@ -139,7 +145,10 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   moe::GroupContextOptions co;
   co.segment_bytes = o.segment_bytes;
   co.timeout_s = o.timeout_s;
+  co.ranks_per_node = o.ranks_per_node;
+  co.num_rdma_bytes = o.num_rdma_bytes;
   moe::init_group_context(*group, co);
+  const int nodes = moe::group_num_nodes(*group);
   const int64_t T = o.tokens, H = o.hidden;
   const int K = o.topk;
   progress.phase("generating tokens and routing");
@@ -200,19 +209,26 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   const double mgbps = memcpy_gbps(bs);
   progress.phase(std::to_string(o.warmup) + " warmup + " + std::to_string(o.iters) + " timed iterations");
   std::vector<double> times(static_cast<size_t>(2 * o.iters), 0.0);
+  std::vector<double> net(2,
+                          0.0);  // bytes this rank handed to the network per timed call (dispatch, combine)
   Counts counts;
   for (int it = -o.warmup; it < o.iters; ++it) {
     bs.barrier();
+    const int64_t n0 = moe::group_network_counters(*group).network_bytes;
     double t0 = now_s();
     moe::dispatch_v2(*group, nullptr, a);
     const double td = now_s() - t0;
+    const int64_t n1 = moe::group_network_counters(*group).network_bytes;
     bs.barrier();
     t0 = now_s();
     Tensor y = moe::combine_v2(*group, nullptr, c);
     const double tc = now_s() - t0;
+    const int64_t n2 = moe::group_network_counters(*group).network_bytes;
     if (it >= 0) {
       times[it] = td;
       times[o.iters + it] = tc;
+      net[0] += static_cast<double>(n1 - n0) / o.iters;
+      net[1] += static_cast<double>(n2 - n1) / o.iters;
     }
     if (it == -o.warmup) {  // checked once, outside the timings
       counts.rows = n_own;
@@ -249,6 +265,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
     }
   }
   const auto all_times = all_gather_values(bs, times);
+  const auto all_net = all_gather_values(bs, net);
   const auto all_counts = all_gather_values(bs, std::vector<int64_t>{counts.rows, counts.ok});
   bool verified = true;
   for (int s = 0; s < W; ++s) verified = verified && all_counts[2 * s + 1] == 1;
@@ -269,6 +286,8 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
       const int64_t bytes = selections * row_bytes;
       const double med = median(us);
       const double per = med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0;
+      double net_bytes = 0;  // all ranks, one call
+      for (int s = 0; s < W; ++s) net_bytes += all_net[2 * static_cast<size_t>(s) + op];
       JsonLine j;
       j.add("api", "distribute-v2")
           .add("op", op == 0 ? "dispatch_v2" : "combine_v2")
@@ -296,7 +315,10 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("memcpy_gbps", mgbps, 3)
           .add("ratio_to_memcpy", mgbps > 0 ? per * W / mgbps : 0.0, 4)
           .add("verified", verified)
-          .add("segment_bytes", o.segment_bytes ? o.segment_bytes : int64_t{64} << 20);
+          .add("segment_bytes", o.segment_bytes ? o.segment_bytes : int64_t{64} << 20)
+          .add("nodes", nodes)
+          .add("network_bytes", static_cast<int64_t>(net_bytes))
+          .add("network_gbps", med > 0 ? net_bytes / med / 1e3 : 0.0, 3);
       std::printf("%s\n", j.str().c_str());
     }
     std::fflush(stdout);
@@ -341,6 +363,10 @@ int run_bench_v2(int argc, char** argv) {
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
   p.add("seed", "S", "1", "random seed");
   p.add("segment-bytes", "BYTES", "64M", "shared-memory segment per rank (K, M, G suffixes)");
+  p.add("ranks-per-node", "P", "0",
+        "split the ranks into nodes of P that talk over UCX (virtual nodes; 0: EPCOMM_RANKS_PER_NODE, else "
+        "by host)");
+  p.add("num-rdma-bytes", "BYTES", "64M", "across nodes: lanes per rank (K, M, G suffixes)");
   p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
   p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
   p.add_switch("quiet", "no progress lines on stderr");
@@ -365,6 +391,8 @@ int run_bench_v2(int argc, char** argv) {
   o.warmup = static_cast<int>(p.integer("warmup", 0, 1000000));
   o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
   o.segment_bytes = p.given("segment-bytes") ? p.bytes("segment-bytes") : 0;
+  o.ranks_per_node = static_cast<int>(p.integer("ranks-per-node", 0, 1024));
+  o.num_rdma_bytes = p.given("num-rdma-bytes") ? p.bytes("num-rdma-bytes") : 0;
   o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
   if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
   o.quiet = p.on("quiet");
@@ -374,6 +402,9 @@ int run_bench_v2(int argc, char** argv) {
       throw UsageError("--experts " + std::to_string(o.experts) +
                        " must be a multiple of ranks - shared-expert-ranks = " +
                        std::to_string(W - o.shared_ranks) + " (ranks " + std::to_string(W) + ")");
+    if (o.ranks_per_node > 0 && W % o.ranks_per_node != 0)
+      throw UsageError("--ranks-per-node " + std::to_string(o.ranks_per_node) + " must divide --ranks " +
+                       std::to_string(W));
   }
   int status = kExitOk;
   for (int W : o.ranks) {
