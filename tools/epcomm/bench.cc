@@ -41,9 +41,9 @@ const char* kBenchEpilog =
     "  mpirun -n 2 epcomm bench --bootstrap mpi\n"
     "  (as root: mpirun --allow-run-as-root -n 2 ...; ranks must share one host.)\n\n"
     "Baseline (--bootstrap mpi only): the same operation as written without epcomm, on the same inputs,\n"
-    "interleaved: each iteration times epcomm's dispatch and combine, then the baseline's (a barrier before\n"
-    "each), so both meet the same moments of a busy machine. dispatch: MPI_Alltoall of the counts per (rank, "
-    "expert); pack\n"
+    "timed after epcomm's iterations with its own warm-up and a barrier before each call (not interleaved:\n"
+    "its per-call allocations slowed the epcomm calls that followed them on the development VM).\n"
+    "dispatch: MPI_Alltoall of the counts per (rank, expert); pack\n"
     "rows and their top-k ids and weights per destination (expert_major: one row per (token, slot), by\n"
     "local expert, token, slot; rank_major: one row per (token, destination rank), by token);\n"
     "MPI_Alltoallv of rows, ids and weights; unpack into epcomm's receive order (expert_major: blocks per\n"
@@ -235,8 +235,11 @@ void check_baseline(const RunOptions& ro, int r, const std::string& name, const 
   run.baseline_combine_ok = whys[1].empty();
 }
 
-// --warmup + --iters iterations; each times epcomm's dispatch and combine, then (with_baseline) the
-// baseline's, so both see the same moments of a noisy machine. A barrier precedes every timed call.
+// --warmup + --iters iterations of epcomm's dispatch and combine, then (with_baseline) as many of the
+// baseline's, each block after its own warm-up. A barrier precedes every timed call. The two are not
+// interleaved: the baseline allocates and frees its buffers (GBs) in every iteration, and on the development
+// VM that churn made the epcomm dispatch that followed it 3-4x slower (its cached output blocks were as slow
+// to write as fresh memory afterwards; docs/performance.md), which measured the VM, not epcomm.
 OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs, const Inputs& in,
                    bool with_baseline, Progress& progress) {
   const RunOptions& ro = o.run;
@@ -247,8 +250,6 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     config->num_threads = o.threads_flag;
   }
   const DispatchArgs da = dispatch_args(ro, order, in, config);
-  std::unique_ptr<AlltoallvBaseline> baseline =
-      with_baseline ? make_baseline(ro, order, bs, in, buffer) : nullptr;
 
   OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
@@ -256,8 +257,9 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   const std::string name =
       std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
   progress.phase(name + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
-                 " timed iterations" +
-                 (with_baseline ? ", each epcomm then the MPI_Alltoallv baseline" : ""));
+                 " timed iterations" + (with_baseline ? ", then as many of the MPI_Alltoallv baseline" : ""));
+  std::optional<DispatchResult> first_d;  // the first iteration's results, kept for the baseline's check
+  std::optional<CombineResult> first_c;
   for (int it = -o.warmup; it < iters; ++it) {
     const bool first = it == -o.warmup;
     bs.barrier();
@@ -282,27 +284,37 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       progress.phase(name + ": verifying the first iteration");
       check_first(ro, order, r, name, in, *d, *c, run);
       run.peak_rss_mb = peak_rss_mb();
-    } else {  // later iterations free epcomm's results before the baseline runs
-      d.reset();
-      c.reset();
-    }
-    if (baseline) {
-      bs.barrier();
-      t0 = now_s();
-      baseline->dispatch();
-      const double bd = now_s() - t0;
-      bs.barrier();
-      t0 = now_s();
-      baseline->combine(baseline->recv_x(),
-                        order == ReceiveOrder::rank_major ? baseline->recv_topk_weights() : nullptr);
-      const double bc = now_s() - t0;
-      if (it >= 0) {
-        run.baseline_times[it] = bd;
-        run.baseline_times[iters + it] = bc;
+      if (with_baseline) {
+        first_d = std::move(d);
+        first_c = std::move(c);
       }
-      if (first) check_baseline(ro, r, name, *baseline, *d, *c, run);
+      if (o.warmup > 0) progress.phase(name + ": timing");
     }
-    if (first && o.warmup > 0) progress.phase(name + ": timing");
+  }
+  if (!with_baseline) return run;
+
+  std::unique_ptr<AlltoallvBaseline> baseline = make_baseline(ro, order, bs, in, buffer);
+  progress.phase(name + ": the MPI_Alltoallv baseline, " + std::to_string(o.warmup) + " warmup + " +
+                 std::to_string(iters) + " timed iterations");
+  for (int it = -o.warmup; it < iters; ++it) {
+    bs.barrier();
+    double t0 = now_s();
+    baseline->dispatch();
+    const double bd = now_s() - t0;
+    bs.barrier();
+    t0 = now_s();
+    baseline->combine(baseline->recv_x(),
+                      order == ReceiveOrder::rank_major ? baseline->recv_topk_weights() : nullptr);
+    const double bc = now_s() - t0;
+    if (it >= 0) {
+      run.baseline_times[it] = bd;
+      run.baseline_times[iters + it] = bc;
+    }
+    if (it == -o.warmup) {
+      check_baseline(ro, r, name, *baseline, *first_d, *first_c, run);
+      first_d.reset();
+      first_c.reset();
+    }
   }
   return run;
 }
