@@ -9,9 +9,9 @@
 namespace epcomm::cli {
 
 // Collective. Every rank copies `bytes` (its own count; ranks may differ) with plain memcpy from one private,
-// pre-touched buffer into another, split over `threads` threads, all ranks at once after a barrier; five
-// repetitions. Returns the sum of all ranks' bytes / the slowest rank's time, median over the repetitions,
-// in GB/s (1e9 bytes/s); 0 when no rank copies anything.
+// pre-touched buffer into another, split over `threads` threads, all ranks at once after a barrier; two blocks
+// (fresh buffers each) of five repetitions. Returns the sum of all ranks' bytes / the slowest rank's time,
+// median over a block's repetitions, the better block, in GB/s (1e9 bytes/s); 0 when no rank copies.
 double concurrent_memcpy_gbps(Bootstrap& bootstrap, int64_t bytes, int threads);
 
 // The copy threads per rank for Config::num_threads = `requested`: itself when > 0, else what the library's
