@@ -63,6 +63,9 @@ struct BufferOptions {
   int ranks_per_node = 0;                // 0 = one node per host
   std::optional<double> timeout_s;       // default: env EPCOMM_TIMEOUT_S, else 100
   std::shared_ptr<Allocator> allocator;  // for every output; default_allocator() when null
+  // Shared-memory area for expert outputs (get_combine_input); 0 = none. Equal on all ranks. On one node, a
+  // combine whose x lies there moves no copy: each origin reads the rows of its tokens in place.
+  int64_t num_combine_input_bytes = 0;
 };
 
 // What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.
@@ -172,6 +175,14 @@ class Buffer {
                                    bool async_finish = false, bool allocate_on_comm_stream = false);
   DispatchResult dispatch(const DispatchArgs& args);
   CombineResult combine(const CombineArgs& args);
+  // A [handle.num_rows, hidden] tensor of `dtype` (bf16, f16 or f32) at the start of this rank's shared
+  // combine-input area (BufferOptions::num_combine_input_bytes; InvalidUsage when it is too small). Write the
+  // expert outputs there and pass it (or its first rows' view) as CombineArgs::x: on one node combine then
+  // copies nothing, each origin reads the rows of its tokens in place (docs/normal-mode.md). The memory
+  // belongs to the Buffer: every call returns the same area, valid until destroy(); do not write it while a
+  // combine that reads it is in flight. hidden = 0: the dispatched hidden size.
+  Tensor get_combine_input(const Handle& handle, DType dtype = DType::bf16, int64_t hidden = 0);
+  int64_t num_combine_input_bytes() const;
 
   // Local: waits for this rank's queued operations, releases the segment, invalidates handles.
   void destroy();

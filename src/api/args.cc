@@ -391,6 +391,12 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   in.hidden = x.size(1);
   in.x = x.data_as<uint8_t>();
   in.keep.push_back(x);
+  // x in this rank's shared combine-input area: the origins read its rows in place (one node only).
+  if (b.input_bytes > 0 && !b.inter && x.nbytes() > 0) {
+    const uint8_t* area = b.input_area();
+    if (in.x >= area && in.x + x.nbytes() <= area + b.input_bytes)
+      in.shared_offset = static_cast<int64_t>(b.input_offset) + (in.x - area);
+  }
   const int64_t T = hd.num_tokens;
   const int K = hd.num_topk;
   if (hd.order == ReceiveOrder::expert_major) {

@@ -33,6 +33,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                options.num_nvl_bytes);
   EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ",
                options.num_rdma_bytes);
+  EPCOMM_CHECK(options.num_combine_input_bytes >= 0, pre,
+               "argument: num_combine_input_bytes: expected >= 0, got ", options.num_combine_input_bytes);
   EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
                " ranks are supported, got ", b.num_ranks);
   b.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
@@ -49,7 +51,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   struct Sizes {
     int64_t nvl, rdma;
     int32_t nodes, rpn;
-  } mine{options.num_nvl_bytes, options.num_rdma_bytes, b.num_nodes, P};
+    int64_t input;
+  } mine{options.num_nvl_bytes, options.num_rdma_bytes, b.num_nodes, P, options.num_combine_input_bytes};
   std::vector<std::byte> bytes(sizeof(Sizes));
   std::memcpy(bytes.data(), &mine, sizeof(Sizes));
   auto all = group->bootstrap().all_gather(bytes);
@@ -67,7 +70,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   for (auto [name, field] : {std::pair<const char*, int64_t (*)(const Sizes&)>{
                                  "num_nvl_bytes", [](const Sizes& s) { return s.nvl; }},
                              {"num_rdma_bytes", [](const Sizes& s) { return s.rdma; }},
-                             {"ranks_per_node", [](const Sizes& s) { return int64_t{s.rpn}; }}}) {
+                             {"ranks_per_node", [](const Sizes& s) { return int64_t{s.rpn}; }},
+                             {"num_combine_input_bytes", [](const Sizes& s) { return s.input; }}}) {
     auto [differ, s] = per_rank(field);
     EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", name, ": ", s);
   }
@@ -77,11 +81,15 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                " is below the control part of the segment plus 256 bytes (", minimum, " bytes for ", R,
                " ranks)");
 
+  b.input_bytes = options.num_combine_input_bytes;
   if (b.num_nodes > 1) {
     b.setup_internode(pre);
   } else {
-    b.transport =
-        make_shm_transport(group->bootstrap(), static_cast<size_t>(b.nvl_bytes), group->next_instance());
+    b.input_offset = (static_cast<size_t>(b.nvl_bytes) + 4095) / 4096 * 4096;
+    b.transport = make_shm_transport(group->bootstrap(),
+                                     b.input_bytes ? b.input_offset + static_cast<size_t>(b.input_bytes)
+                                                   : static_cast<size_t>(b.nvl_bytes),
+                                     group->next_instance());
   }
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
   b.start_comm_thread();
@@ -92,7 +100,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
 void Buffer::Impl::setup_internode(const std::string& pre) {
   detail::InternodeParts parts =
       detail::setup_internode(*group, node_of_rank, static_cast<size_t>(nvl_bytes), options.num_rdma_bytes,
-                              "num_rdma_bytes", timeout_s, pre);
+                              "num_rdma_bytes", timeout_s, pre, "rank", static_cast<size_t>(input_bytes));
+  input_offset = parts.extra_offset;
   inter = std::move(parts.inter);
   node_bootstrap = std::move(parts.node_bootstrap);
   transport = std::move(parts.transport);
@@ -157,6 +166,30 @@ double Buffer::timeout_s() const {
 }
 int64_t Buffer::num_nvl_bytes() const {
   return impl_->nvl_bytes;
+}
+int64_t Buffer::num_combine_input_bytes() const {
+  return impl_->input_bytes;
+}
+
+uint8_t* Buffer::Impl::input_area() const {
+  const int local = inter ? inter->topo.local_index[rank] : rank;
+  return transport->segment(local) + input_offset;
+}
+
+Tensor Buffer::get_combine_input(const Handle& handle, DType dtype, int64_t hidden) {
+  Impl& b = *impl_;
+  b.check_usable("get_combine_input");
+  const std::string pre = detail::cat("epcomm[rank ", b.rank, "] get_combine_input: ");
+  const Handle::Impl& hd = handle.impl();
+  EPCOMM_CHECK(dtype == DType::bf16 || dtype == DType::f16 || dtype == DType::f32, pre,
+               "argument: dtype: expected bf16, f16 or f32, got ", dtype_name(dtype));
+  EPCOMM_CHECK(hidden >= 0, pre, "argument: hidden: expected >= 0, got ", hidden);
+  const int64_t H = hidden ? hidden : hd.hidden;
+  const int64_t bytes = hd.num_rows * H * static_cast<int64_t>(dtype_size(dtype));
+  EPCOMM_CHECK(bytes <= b.input_bytes, pre, "capacity: ", hd.num_rows, " rows x ", H, " ", dtype_name(dtype),
+               " need ", bytes, " bytes, but num_combine_input_bytes = ", b.input_bytes,
+               b.input_bytes ? "" : " (BufferOptions::num_combine_input_bytes sets the shared area)");
+  return Tensor::wrap(b.input_area(), dtype, {hd.num_rows, H});
 }
 
 int Buffer::num_threads() {

@@ -31,6 +31,8 @@ struct Buffer::Impl {
   std::unique_ptr<Network> network;           // internode only: to the rail peers on the other nodes
   std::unique_ptr<engine::Internode> inter;   // internode only
   engine::SegmentLayout layout;
+  int64_t input_bytes = 0;  // the shared combine-input area: size, and offset from the segment's start
+  size_t input_offset = 0;
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
   uint64_t seq = 0;                                       // last sequence number issued
   bool destroyed = false;
@@ -46,6 +48,7 @@ struct Buffer::Impl {
   bool stop = false;
 
   void setup_internode(const std::string& pre);
+  uint8_t* input_area() const;  // this rank's shared combine-input area
   void start_comm_thread();
   void stop_comm_thread() noexcept;
   void enqueue(std::function<void()> task);

@@ -32,7 +32,7 @@ std::vector<int> node_partition(Group& group, int ranks_per_node, const std::str
 
 InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_rank, size_t segment_bytes,
                                int64_t rdma_bytes, const char* rdma_name, double timeout_s,
-                               const std::string& pre, const std::string& peer_word) {
+                               const std::string& pre, const std::string& peer_word, size_t extra_bytes) {
   InternodeParts parts;
   const int R = group.size(), rank = group.rank();
   const int M = *std::max_element(node_of_rank.begin(), node_of_rank.end()) + 1;
@@ -72,8 +72,10 @@ InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_ran
   // Virtual nodes share this host's cores: waiters may spin only if every rank *on the host* has a core.
   const int host_ranks = static_cast<int>(
       std::count(group.hosts().begin(), group.hosts().end(), group.hosts()[static_cast<size_t>(rank)]));
-  parts.transport =
-      make_shm_transport(*parts.node_bootstrap, in.lanes_offset + region, group.next_instance(), host_ranks);
+  parts.extra_offset = (in.lanes_offset + region + 4095) / 4096 * 4096;
+  parts.transport = make_shm_transport(
+      *parts.node_bootstrap, extra_bytes ? parts.extra_offset + extra_bytes : in.lanes_offset + region,
+      group.next_instance(), host_ranks);
 
   NetworkOptions no;
   for (int n = 0; n < M; ++n)

@@ -26,14 +26,17 @@ struct InternodeParts {
   std::unique_ptr<Bootstrap> node_bootstrap;  // the ranks of this node
   std::unique_ptr<Transport> transport;       // this node's segments: `segment_bytes`, then the lanes
   std::unique_ptr<Network> network;           // to the rail peers on the other nodes
+  size_t extra_offset = 0;                    // where the segment's `extra_bytes` start (after the lanes)
 };
 
 // Collective over the group. `node_of_rank` from node_partition (at least two nodes); `rdma_bytes` is the
 // lanes' total (0 = 64 MiB), split evenly across the nodes; `rdma_name` names that size in errors
-// ("num_rdma_bytes"); `peer_word` names peers in network errors ("ep rank"). Throws InvalidUsage for unequal
-// node sizes or lanes below the minimum.
+// ("num_rdma_bytes"); `peer_word` names peers in network errors ("ep rank"); `extra_bytes` more follow the
+// lanes in every segment (a Buffer's combine-input area). Throws InvalidUsage for unequal node sizes or lanes
+// below the minimum.
 InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_rank, size_t segment_bytes,
                                int64_t rdma_bytes, const char* rdma_name, double timeout_s,
-                               const std::string& pre, const std::string& peer_word = "rank");
+                               const std::string& pre, const std::string& peer_word = "rank",
+                               size_t extra_bytes = 0);
 
 }  // namespace epcomm::detail

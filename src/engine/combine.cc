@@ -353,6 +353,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   h.handle_id = hd.seq;
   std::copy(std::begin(in.chunks), std::end(in.chunks), h.chunks);
   Internode* inter = ctx.internode();
+  h.input_offset = inter ? -1 : in.shared_offset;  // across nodes copies always travel
   const int M = inter ? inter->topo.num_nodes : 1;
   if (inter) {  // proxies learn which ranks of their node hold copies of our tokens
     h.num_counts = hd.num_experts + R;
@@ -428,6 +429,17 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   const int32_t* src_slot = hd.recv_src_slot.data_as<int32_t>();
   std::vector<int64_t> pos(hd.source_offsets.begin(), hd.source_offsets.end() - 1);
   uint8_t* my_area = ctx.data(me);
+  // Holders whose expert outputs lie in their shared combine-input area: their slots in our windows hold the
+  // row index (int64) instead of the row, and we read the row in place. Such a holder may return only once
+  // every origin it serves has reduced its last window (`combine_open` = pack(seq, windows + 1): closed).
+  std::vector<const uint8_t*> shared_x(R, nullptr);
+  for (int p = 0; p < R; ++p)
+    if (!inter && ctx.header(p)->input_offset >= 0)
+      shared_x[p] = ctx.data(p) - ctx.layout().data + ctx.header(p)->input_offset;
+  const bool by_index = shared_x[me] != nullptr;
+  const int L = hd.num_local;
+  // The rank holding the copy in `slot` of token t: the owner of expert k's id, or rank `slot`.
+  auto holder_of = [&](int64_t t, int slot) { return expert ? hd.topk_ids[t * K + slot] / L : slot; };
   // Own contributions, per half and slot: pointers into x (and the receiving-side weights) instead of copies.
   const int64_t WL = std::max<int64_t>(1, std::min(W, T));  // a window never holds more than T tokens
   std::vector<const uint8_t*> local_rows(static_cast<size_t>(halves) * WL * slots, nullptr);
@@ -449,6 +461,11 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
         const size_t l = static_cast<size_t>(w % halves) * WL * slots + idx;
         local_rows[l] = in.x + row * row_bytes;
         if (wbytes) local_weights[l] = in.recv_weights + row * K;
+      } else if (by_index) {  // the origin reads row `row` of our shared x
+        const int64_t r64 = row;
+        std::memcpy(area + idx * geo.row_stride, &r64, sizeof(r64));
+        if (wbytes)
+          std::memcpy(area + weights_off + idx * geo.weight_stride, in.recv_weights + row * K, wbytes);
       } else {
         // Plain stores: the origin reads this copy within the next window or two, from the cache.
         std::memcpy(area + idx * geo.row_stride, in.x + row * row_bytes, row_bytes);
@@ -485,7 +502,14 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
     const float** lw = local_weights.data() + static_cast<size_t>(w % halves) * WL * slots;
     auto copy_of = [&](int64_t t, int slot) -> const uint8_t* {
       const size_t idx = static_cast<size_t>(t - t0) * slots + slot;
-      return lrow[idx] ? lrow[idx] : win + idx * geo.row_stride;
+      if (lrow[idx]) return lrow[idx];
+      const uint8_t* in_window = win + idx * geo.row_stride;
+      if (const uint8_t* sx = shared_x[holder_of(t, slot)]) {
+        int64_t row;
+        std::memcpy(&row, in_window, sizeof(row));
+        return sx + row * static_cast<int64_t>(row_bytes);
+      }
+      return in_window;
     };
     // The contributions of token t in canonical order (slot k ascending, or rank d ascending).
     auto gather = [&](int64_t t, const uint8_t** ptrs, float* ws) {
@@ -572,8 +596,20 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
           } else
             reduce(reduced);
           ++reduced;
+          if (reduced == my_nwin) {  // closed: holders that lent us their shared rows may return
+            ctx.control(me)->combine_open.store(pack(seq, my_nwin + 1), std::memory_order_seq_cst);
+            if (by_index || std::any_of(shared_x.begin(), shared_x.end(), [](const uint8_t* q) { return q; }))
+              for (int p = 0; p < R; ++p)
+                if (hd.tokens_per_rank[p] > 0 && p != me) ctx.notify(p);
+          }
           progressed = true;
         }
+        // Lending our shared rows: done once every origin we serve has closed its windows.
+        if (by_index)
+          for (int s = 0; s < R; ++s)
+            if (s != me && nwin[s] > 0 &&
+                ctx.control(s)->combine_open.load(std::memory_order_acquire) < pack(seq, nwin[s] + 1))
+              all = false;
         if (inter) all = hier.serve_as_proxy(progressed) && all;
         return all && reduced == my_nwin;
       },
@@ -581,6 +617,12 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
         std::vector<int> peers;
         for (int s = 0; s < R; ++s)
           if (filled[s] < nwin[s] && s != me) peers.push_back(s);
+        if (by_index)  // origins still reading our shared rows
+          for (int s = 0; s < R; ++s)
+            if (s != me && nwin[s] > 0 &&
+                ctx.control(s)->combine_open.load(std::memory_order_acquire) < pack(seq, nwin[s] + 1) &&
+                std::find(peers.begin(), peers.end(), s) == peers.end())
+              peers.push_back(s);
         if (reduced < opened)
           for (int p = 0; p < R; ++p)
             if (hd.tokens_per_rank[p] > 0 && p != me &&

@@ -67,6 +67,51 @@ MR_CASE("dispatch_random", {}) {
   }
 }
 
+// Combine from the shared combine-input area (Buffer::get_combine_input): on one node the origins read the
+// holders' rows in place; the results must equal the reference bit for bit, as with private inputs, in
+// both orders, with alignment, worst-case rows, other dtypes and widths, async chains, and windows that move
+// in rounds (small segment). Across nodes the same calls take the copying path.
+MR_CASE("combine_shared_input", {}) {
+  BufferOptions o = test_options(1 << 20);
+  o.num_combine_input_bytes = 8 << 20;
+  Buffer buf(ctx.group, o);
+  REQUIRE(buf.num_combine_input_bytes() == 8 << 20, "num_combine_input_bytes ", buf.num_combine_input_bytes());
+  uint64_t seed = 300;
+  for (ReceiveOrder order : kOrders) {
+    for (int64_t align : {1, 64}) {
+      RoundTrip rt;
+      rt.spec = spec_for(ctx, seed++, 3, 4, 512);
+      rt.spec.max_tokens = 200;  // several windows of the 1 MiB segment
+      rt.order = order;
+      rt.expert_alignment = align;
+      rt.shared_input = true;
+      run_round_trip(ctx, buf, rt);
+    }
+    RoundTrip other;  // f32 combine of another width, worst-case rows, async chain
+    other.spec = spec_for(ctx, seed++, 2, 3, 40, DType::f16);
+    other.order = order;
+    other.combine_dtype = DType::f32;
+    other.combine_hidden = 72;
+    other.num_worst_tokens = -3;
+    other.async = true;
+    other.shared_input = true;
+    run_round_trip(ctx, buf, other);
+  }
+  // Too small an area: a clear capacity error naming the option, nothing else happens.
+  Buffer none(ctx.group, test_options(1 << 20));
+  const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
+  DispatchArgs args;
+  args.x.data = x_of(pr, ctx.rank);
+  args.topk_idx = topk_idx_of(pr, ctx.rank);
+  args.topk_weights = topk_weights_of(pr, ctx.rank);
+  args.num_tokens_per_expert =
+      none.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  DispatchResult d = none.dispatch(args);
+  if (d.handle->num_rows() > 0)
+    expect_error([&] { none.get_combine_input(*d.handle); }, ErrorCode::InvalidUsage,
+                 {"get_combine_input", "num_combine_input_bytes = 0"});
+}
+
 MR_CASE("dispatch_skewed_rounds", {}) {
   // Every token to one rank, through a segment of the minimum size: many rounds, same results.
   for (ReceiveOrder order : kOrders) {

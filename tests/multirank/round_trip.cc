@@ -156,6 +156,11 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   {
     CombineArgs c;
     c.x = d.recv_x.data;
+    if (rt.shared_input) {  // the same rows, from the shared combine-input area
+      if (rt.async) d.event.wait();
+      c.x = buf.get_combine_input(*d.handle, d.recv_x.data.dtype(), d.recv_x.data.size(1));
+      if (c.x.nbytes()) std::memcpy(c.x.data(), d.recv_x.data.data(), c.x.nbytes());
+    }
     c.handle = d.handle;
     if (rt.order == ReceiveOrder::rank_major && topk) c.topk_weights = d.recv_topk_weights;
     c.async_finish = rt.async;
@@ -186,6 +191,10 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     std::vector<uint8_t> mine = outs[r];
     CombineArgs c;
     c.x = Tensor::wrap(mine.data(), cdt, {ref.num_rows, H2});
+    if (rt.shared_input) {
+      c.x = buf.get_combine_input(*d.handle, cdt, H2);
+      if (c.x.nbytes()) std::memcpy(c.x.data(), mine.data(), c.x.nbytes());
+    }
     c.handle = d.handle;
     std::vector<float> explicit_w;
     if (rt.order == ReceiveOrder::expert_major) {

@@ -21,6 +21,7 @@ struct RoundTrip {
   bool idx32 = false;            // pass topk_idx as i32 (recv_topk_idx comes back as i32)
   DType combine_dtype = DType::bf16;
   int64_t combine_hidden = 0;  // 0: same as spec.hidden
+  bool shared_input = false;   // combines read x from Buffer::get_combine_input (the Buffer must have one)
 };
 
 BufferOptions test_options(int64_t nvl_bytes = 8 << 20, double timeout_s = 60);

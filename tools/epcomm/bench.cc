@@ -59,7 +59,11 @@ const char* kBenchEpilog =
     "bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
     "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
-    "verified, segment_bytes, peak_rss_mb, peak_rss_mb_per_rank.\n\n"
+    "verified, combine_input, segment_bytes, peak_rss_mb, peak_rss_mb_per_rank.\n\n"
+    "combine_input: shared when every combine read its x from Buffer::get_combine_input (with\n"
+    "--combine-input shared: the Buffer gets num_combine_input_bytes for tokens x topk rows + 25%, and the\n"
+    "dispatched rows are copied there untimed, as an expert would write its outputs; on one node the\n"
+    "origins then read every copy in place), private (the default) when x was the dispatched tensor.\n\n"
     "Across nodes (--ranks-per-node P, or EPCOMM_RANKS_PER_NODE; with UCX_TLS=tcp virtual nodes on one host\n"
     "talk over TCP sockets): network_bytes = pairs x row_bytes (dispatch) or pairs x H x 4 (combine: f32\n"
     "partials), pairs = (token, other node that needs it) over all ranks; network_gbps = network_bytes /\n"
@@ -113,6 +117,7 @@ struct BenchOptions {
   int threads_flag = 0;         // --threads: Config::num_threads (0 = the library's default)
   int threads = 1;              // resolved: copy threads per rank, for epcomm and the memcpy limit
   std::string plot;             // --plot FILE.svg, or ""
+  bool shared_input = false;    // --combine-input shared: combine reads x from Buffer::get_combine_input
 };
 
 // The baseline exists for plain rows under MPI; the reason it is null otherwise.
@@ -169,7 +174,8 @@ struct OrderRun {
   std::vector<double> times, baseline_times;  // dispatch [iters], then combine [iters]
   int64_t rows = 0, dispatch_bytes = 0, combine_bytes = 0;
   int64_t ok = 1, baseline_dispatch_ok = 1, baseline_combine_ok = 1;
-  double peak_rss_mb = 0;  // after epcomm's first iteration, before the baseline's buffers exist
+  int64_t shared_input = 0;  // 1: every combine read x from the shared combine-input area
+  double peak_rss_mb = 0;    // after epcomm's first iteration, before the baseline's buffers exist
 };
 
 DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Inputs& in,
@@ -270,6 +276,18 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     const double td = now_s() - t0;
     CombineArgs ca;
     ca.x = combine_input(ro, *d);
+    if (o.shared_input) {  // the expert outputs written into the shared area (untimed, like the experts)
+      Tensor sx;
+      try {
+        sx = buffer.get_combine_input(*d->handle, ca.x.dtype(), ro.hidden);
+      } catch (const Error&) {  // the area is sized for typical routing; this call's rows exceed it
+      }
+      if (sx.defined()) {
+        if (sx.nbytes()) std::memcpy(sx.data(), ca.x.data(), sx.nbytes());
+        ca.x = sx;
+      }
+      run.shared_input = first ? sx.defined() : run.shared_input && sx.defined();
+    }
     ca.handle = d->handle;
     ca.config = config;
     if (order == ReceiveOrder::rank_major) ca.topk_weights = d->recv_topk_weights;
@@ -351,7 +369,7 @@ struct OrderReport {
   int nodes = 1;
   double link_gbps = 0;
 };
-constexpr int kCounts = 6;
+constexpr int kCounts = 7;  // per rank: rows, bytes (2), ok, baseline ok (2), shared input
 
 const char* launcher_name(Launcher l) {
   return l == Launcher::fork ? "fork" : l == Launcher::threads ? "threads" : "mpi";
@@ -362,8 +380,9 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   const RunOptions& ro = o.run;
   const int R = ro.ranks, iters = ro.iters;
   int64_t rows = 0, dbytes = 0, cbytes = 0;
-  bool verified = true, baseline_verified[2] = {true, true};
+  bool verified = true, baseline_verified[2] = {true, true}, shared = true;
   for (int s = 0; s < R; ++s) {
+    shared = shared && rep.counts[s * kCounts + 6] == 1;
     rows += rep.counts[s * kCounts + 0];
     dbytes += rep.counts[s * kCounts + 1];
     cbytes += rep.counts[s * kCounts + 2];
@@ -440,6 +459,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
           .add_null("ratio_to_link");
     }
     j.add("verified", verified)
+        .add("combine_input", shared ? "shared" : "private")
         .add("segment_bytes", segment_bytes)
         .add("peak_rss_mb", peak, 1)
         .add("peak_rss_mb_per_rank", rep.peak_rss_mb, 1);
@@ -466,9 +486,9 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
   rep.memcpy_gbps[1] = concurrent_memcpy_gbps(bs, run.combine_bytes, o.threads);
   rep.times = all_gather_values(bs, run.times);
   if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, run.baseline_times);
-  rep.counts =
-      all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
-                                                 run.baseline_dispatch_ok, run.baseline_combine_ok});
+  rep.counts = all_gather_values(
+      bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
+                               run.baseline_dispatch_ok, run.baseline_combine_ok, run.shared_input});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
   rep.nodes = buffer.num_nodes();
   if (rep.nodes > 1) {
@@ -510,6 +530,12 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   bo.num_rdma_bytes = ro.num_rdma_bytes;
   bo.ranks_per_node = ro.ranks_per_node;
   bo.timeout_s = ro.timeout_s;
+  if (o.shared_input) {  // room for the expert outputs of typical routing at the largest --tokens (+25%)
+    const int64_t T = *std::max_element(o.tokens.begin(), o.tokens.end());
+    const int64_t rows = std::max<int64_t>(T * ro.topk, 1);
+    bo.num_combine_input_bytes =
+        (rows + rows / 4 + 64) * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
+  }
   Buffer buffer(group, bo);
   double link_gbps = 0;  // internode: the raw put bandwidth of the same transport, all ranks at once, summed
   if (buffer.num_nodes() > 1) {
@@ -609,6 +635,9 @@ int run_bench(int argc, char** argv) {
         "copy threads per rank: Config::num_threads of dispatch and combine, and the "
         "memcpy limit's threads; 0 = the library default (hardware threads / ranks)");
   p.add("plot", "FILE.svg", "", "also draw GB/s against tokens per rank (epcomm, baseline, memcpy) as SVG");
+  p.add("combine-input", "shared|private", "private",
+        "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (origins read the "
+        "rows in place on one node), private = the dispatched tensor itself");
   p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
   p.set_epilog(kBenchEpilog);
   if (!p.parse(argc, argv)) {
@@ -625,6 +654,7 @@ int run_bench(int argc, char** argv) {
   const int64_t alignment = p.integer("expert-alignment", 1, int64_t{1} << 20);
   o.threads_flag = static_cast<int>(p.integer("threads", 0, 1024));
   o.plot = p.str("plot");
+  o.shared_input = p.choice("combine-input", {"shared", "private"}) == "shared";
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
     throw UsageError(bad_value("plot", "a file name that can be written", o.plot));
   if (!mpi) {
