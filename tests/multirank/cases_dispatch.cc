@@ -75,7 +75,8 @@ MR_CASE("combine_shared_input", {}) {
   BufferOptions o = test_options(1 << 20);
   o.num_combine_input_bytes = 8 << 20;
   Buffer buf(ctx.group, o);
-  REQUIRE(buf.num_combine_input_bytes() == 8 << 20, "num_combine_input_bytes ", buf.num_combine_input_bytes());
+  REQUIRE(buf.num_combine_input_bytes() == 8 << 20, "num_combine_input_bytes ",
+          buf.num_combine_input_bytes());
   uint64_t seed = 300;
   for (ReceiveOrder order : kOrders) {
     for (int64_t align : {1, 64}) {
@@ -100,12 +101,7 @@ MR_CASE("combine_shared_input", {}) {
   // Too small an area: a clear capacity error naming the option, nothing else happens.
   Buffer none(ctx.group, test_options(1 << 20));
   const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
-  DispatchArgs args;
-  args.x.data = x_of(pr, ctx.rank);
-  args.topk_idx = topk_idx_of(pr, ctx.rank);
-  args.topk_weights = topk_weights_of(pr, ctx.rank);
-  args.num_tokens_per_expert =
-      none.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  DispatchArgs args = dispatch_args_of(pr, ctx.rank, none);
   DispatchResult d = none.dispatch(args);
   if (d.handle->num_rows() > 0)
     expect_error([&] { none.get_combine_input(*d.handle); }, ErrorCode::InvalidUsage,

@@ -57,12 +57,7 @@ MR_CASE("internode_matches_single_node", {}) {
           b.num_nodes(), " nodes");
   for (ReceiveOrder order : {ReceiveOrder::expert_major, ReceiveOrder::rank_major}) {
     const Problem pr = make_problem(internode_spec(ctx, 11 + static_cast<int>(order), 520));
-    DispatchArgs args;
-    args.x.data = x_of(pr, ctx.rank);
-    args.topk_idx = topk_idx_of(pr, ctx.rank);
-    args.topk_weights = topk_weights_of(pr, ctx.rank);
-    args.num_tokens_per_expert =
-        a.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+    DispatchArgs args = dispatch_args_of(pr, ctx.rank, a);
     args.receive_order = order;
     args.expert_alignment = order == ReceiveOrder::expert_major ? 4 : 1;
     DispatchResult x = a.dispatch(args), y = b.dispatch(args);
@@ -105,12 +100,7 @@ MR_CASE("internode_dedup", {}) {
     }
     want += static_cast<int64_t>(nodes.size());
   }
-  DispatchArgs args;
-  args.x.data = x_of(pr, r);
-  args.topk_idx = topk_idx_of(pr, r);
-  args.topk_weights = topk_weights_of(pr, r);
-  args.num_tokens_per_expert =
-      buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  DispatchArgs args = dispatch_args_of(pr, r, buf);
   const Buffer::InternodeCounters before = buf.internode_counters();
   DispatchResult d = buf.dispatch(args);
   const Buffer::InternodeCounters after = buf.internode_counters();
@@ -244,12 +234,7 @@ MR_CASE("internode_link_cut", {}) {
   o.ranks_per_node = P;
   Buffer buf(ctx.group, o);
   const Problem pr = make_problem(internode_spec(ctx, 3, 2048));
-  DispatchArgs args;
-  args.x.data = x_of(pr, ctx.rank);
-  args.topk_idx = topk_idx_of(pr, ctx.rank);
-  args.topk_weights = topk_weights_of(pr, ctx.rank);
-  args.num_tokens_per_expert =
-      buf.get_dispatch_layout(*args.topk_idx, pr.spec.num_experts).num_tokens_per_expert;
+  DispatchArgs args = dispatch_args_of(pr, ctx.rank, buf);
   const auto start = std::chrono::steady_clock::now();
   for (int round = 0;; ++round) {
     try {

@@ -20,6 +20,16 @@ BufferOptions test_options(int64_t nvl_bytes, double timeout_s) {
   return o;
 }
 
+DispatchArgs dispatch_args_of(const Problem& p, int r, Buffer& buf) {
+  DispatchArgs args;
+  args.x.data = x_of(p, r);
+  args.topk_idx = topk_idx_of(p, r);
+  args.topk_weights = topk_weights_of(p, r);
+  args.num_tokens_per_expert =
+      buf.get_dispatch_layout(*args.topk_idx, p.spec.num_experts).num_tokens_per_expert;
+  return args;
+}
+
 Tensor x_of(const Problem& p, int r) {
   auto& in = p.ranks[r];
   return Tensor::wrap(const_cast<uint8_t*>(in.x.data()), p.spec.dtype, {in.num_tokens, p.spec.hidden});

@@ -35,6 +35,10 @@ Tensor x_of(const Problem& p, int r);
 Tensor topk_idx_of(const Problem& p, int r);
 Tensor topk_weights_of(const Problem& p, int r);
 
+// Fresh-dispatch arguments for rank r of `p`: x, top-k ids and weights, and the per-expert counts from
+// buf.get_dispatch_layout (the other fields at their defaults).
+DispatchArgs dispatch_args_of(const Problem& p, int r, Buffer& buf);
+
 // Expects `fn` to throw epcomm::Error with `code` and every keyword in its message.
 void expect_error(const std::function<void()>& fn, ErrorCode code,
                   std::initializer_list<const char*> keywords);
