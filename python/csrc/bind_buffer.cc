@@ -43,7 +43,7 @@ py::object str_or_none(const std::optional<Tensor>& t) {
 std::unique_ptr<PyBuffer> make_buffer(std::shared_ptr<Group> group, int64_t num_nvl_bytes,
                                       int64_t num_rdma_bytes, bool low_latency_mode, bool enable_shrink,
                                       const std::string& receive_order, int ranks_per_node,
-                                      std::optional<double> timeout_s) {
+                                      std::optional<double> timeout_s, int64_t num_combine_input_bytes) {
   BufferOptions o;
   o.num_nvl_bytes = num_nvl_bytes;
   o.num_rdma_bytes = num_rdma_bytes;
@@ -52,6 +52,7 @@ std::unique_ptr<PyBuffer> make_buffer(std::shared_ptr<Group> group, int64_t num_
   o.receive_order = parse_receive_order(receive_order);
   o.ranks_per_node = ranks_per_node;
   o.timeout_s = timeout_s;
+  o.num_combine_input_bytes = num_combine_input_bytes;
   o.allocator = torch_allocator();
   auto b = std::make_unique<PyBuffer>();
   // Collective through the group's Python callbacks, which run on this thread: keep the GIL.
@@ -178,7 +179,15 @@ void bind_buffer(py::module_& m) {
   py::class_<PyBuffer>(m, "Buffer", "The C++ normal-mode Buffer (wrapped by epcomm.Buffer).")
       .def(py::init(&make_buffer), py::arg("group"), py::arg("num_nvl_bytes"), py::arg("num_rdma_bytes"),
            py::arg("low_latency_mode"), py::arg("enable_shrink"), py::arg("receive_order"),
-           py::arg("ranks_per_node"), py::arg("timeout_s"))
+           py::arg("ranks_per_node"), py::arg("timeout_s"), py::arg("num_combine_input_bytes") = 0)
+      .def_property_readonly("num_combine_input_bytes",
+                             [](PyBuffer& b) { return b.get().num_combine_input_bytes(); })
+      .def(
+          "get_combine_input",
+          [](PyBuffer& b, const PyHandle& h, const std::string& dtype, int64_t hidden) {
+            return to_torch(b.get().get_combine_input(*h.handle, parse_dtype(dtype), hidden));
+          },
+          py::arg("handle"), py::arg("dtype"), py::arg("hidden"))
       .def_property_readonly("rank", [](PyBuffer& b) { return b.get().rank(); })
       .def_property_readonly("num_ranks", [](PyBuffer& b) { return b.get().num_ranks(); })
       .def_property_readonly("num_nodes", [](PyBuffer& b) { return b.get().num_nodes(); })

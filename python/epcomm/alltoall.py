@@ -659,7 +659,7 @@ class AllToAllStrategy:
             num_rows=rows, num_recv_tokens_per_expert=lst, num_recv_pairs_per_expert=cnt,
             num_recv_rows_per_source=rows_per_source, recv_src_rank=src[0].clone(), recv_src_token=src[1].clone(),
             recv_src_slot=src[2].clone(), dispatch_id=self.seq, expert_alignment=align,
-            num_worst_tokens=a["num_worst_tokens"], has_topk=K > 0, V=V, weights=w, in_rank=in_rank,
+            num_worst_tokens=a["num_worst_tokens"], has_topk=K > 0, V=V, weights=w, in_rank=in_rank, hidden=f.hidden,
             send_t=send_t, send_k=send_k, send_splits=send_splits, recv_splits=recv_splits, recv_pos=recv_pos)
         self._add_stats(a["dispatch_wait_recv_cost_stats"], start)
         out_list = [] if a["num_worst_tokens"] > 0 else list(lst)

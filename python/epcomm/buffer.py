@@ -8,10 +8,11 @@ import os
 import warnings
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from . import _C
-from ._dtypes import as_format, byte_view, tuple_formats
+from ._dtypes import PLAIN, as_format, byte_view, tuple_formats
 from ._errors import InvalidUsageError
 from .alltoall import AllToAllHandle, AllToAllStrategy
 from .event import EventOverlap, c_event
@@ -61,7 +62,7 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
                  explicitly_destroy=False, enable_shrink=False, comm=None, *, receive_order="expert_major",
-                 ranks_per_node=0, timeout_s=None, **deepep_compat):
+                 ranks_per_node=0, timeout_s=None, num_combine_input_bytes=0, **deepep_compat):
         if deepep_compat:
             warnings.warn(f"epcomm.Buffer: ignoring unknown arguments {sorted(deepep_compat)}", stacklevel=2)
         _check_str(receive_order, "receive_order")
@@ -80,7 +81,8 @@ class Buffer:
             g = as_group(group)
             self.group = g.process_group
             self._impl = _C.Buffer(g._c, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                   bool(enable_shrink), receive_order, int(ranks_per_node), timeout_s)
+                                   bool(enable_shrink), receive_order, int(ranks_per_node), timeout_s,
+                                   int(num_combine_input_bytes))
         _live_buffers.add(self)
 
     # ---- accessors ---------------------------------------------------------------------------------------
@@ -244,6 +246,24 @@ class Buffer:
                                     f"(one using the {'shared-memory' if ours is AllToAllHandle else 'alltoall'} "
                                     "strategy)")
         return impl
+
+    def get_combine_input(self, handle, dtype=torch.bfloat16, hidden=0):
+        """A [handle.num_recv_rows (or num_worst_tokens), hidden] tensor of `dtype` in this rank's shared
+        combine-input area (num_combine_input_bytes at construction; InvalidUsageError when too small). Write
+        the expert outputs into it and pass it to combine: on one node combine then copies nothing and each
+        origin reads its tokens' rows in place. The memory belongs to the Buffer: every call returns the same
+        area, valid until destroy(); do not overwrite it while a combine reading it is in flight. hidden=0:
+        the dispatched hidden size. With DEEP_USE_MODE=alltoall this is an ordinary new tensor."""
+        impl = self._handle_impl(handle)
+        name = PLAIN.get(dtype)
+        if name not in ("bf16", "f16", "f32"):
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] get_combine_input: argument: dtype: expected "
+                                    f"torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+        if isinstance(self._impl, AllToAllStrategy):
+            return torch.empty(impl.num_rows, int(hidden) if hidden else impl.hidden, dtype=dtype)
+        t = self._impl.get_combine_input(impl, name, int(hidden))
+        t._epcomm_buffer = self  # the area lives in this Buffer: keep it alive with the tensor
+        return t
 
     # ---- combine -------------------------------------------------------------------------------------------
 

@@ -189,7 +189,10 @@ Tensor Buffer::get_combine_input(const Handle& handle, DType dtype, int64_t hidd
   EPCOMM_CHECK(bytes <= b.input_bytes, pre, "capacity: ", hd.num_rows, " rows x ", H, " ", dtype_name(dtype),
                " need ", bytes, " bytes, but num_combine_input_bytes = ", b.input_bytes,
                b.input_bytes ? "" : " (BufferOptions::num_combine_input_bytes sets the shared area)");
-  return Tensor::wrap(b.input_area(), dtype, {hd.num_rows, H});
+  // The owner is the Buffer's liveness token (aliased): a view, never a copy, for wrappers that copy
+  // ownerless memory (the torch bridge); the area itself lives until destroy().
+  return Tensor::wrap(b.input_area(), dtype, {hd.num_rows, H}, {},
+                      std::shared_ptr<void>(b.alive, b.input_area()));
 }
 
 int Buffer::num_threads() {

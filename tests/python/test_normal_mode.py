@@ -303,3 +303,49 @@ def test_normal_mode_2_ranks():
 
 def test_normal_mode_4_ranks():
     spawn(normal_mode_job, 4, 2)
+
+
+def shared_input_job(rank, world):
+    """combine from Buffer.get_combine_input equals combine from the dispatched tensor, bit for bit, in both
+    modes and orders; the area is the same memory on every call; too small an area raises InvalidUsageError."""
+    E, K, H, T = 4 * world, 3, 64, 20 + rank
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
+    w = torch.rand(T, K, generator=g)
+    for mode in ("shm", "alltoall"):
+        use_mode(mode)
+        buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_combine_input_bytes=4 << 20)
+        for order in ORDERS:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=ids, topk_weights=w, receive_order=order)
+            weights = recv_w if order == "rank_major" else None
+            a, aw, _ = buf.combine(recv_x, handle, topk_weights=weights)
+            sx = buf.get_combine_input(handle)
+            check(sx.shape == recv_x.shape and sx.dtype == torch.bfloat16, f"shape {tuple(sx.shape)}")
+            sx.copy_(recv_x)
+            b, bw, _ = buf.combine(sx, handle, topk_weights=weights)
+            check(torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{mode} {order}: combine differs")
+            check((aw is None) == (bw is None) and (aw is None or torch.equal(aw, bw)), "weights differ")
+            if mode == "shm":
+                check(buf.get_combine_input(handle).data_ptr() == sx.data_ptr(), "the area moved")
+                f32 = buf.get_combine_input(handle, torch.float32, 8)
+                check(f32.shape == (handle.num_rows, 8) and f32.dtype == torch.float32, "f32 view")
+        buf.destroy()
+    use_mode("shm")
+    small = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20)
+    per_rank, _, per_expert, in_rank, _ = small.get_dispatch_layout(ids, E)
+    _, _, _, _, handle, _ = small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                           num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w)
+    try:
+        small.get_combine_input(handle)
+        check(handle.num_rows == 0, "no error without a combine-input area")
+    except epcomm.InvalidUsageError as e:
+        check("num_combine_input_bytes = 0" in str(e), f"message: {e}")
+    small.destroy()
+
+
+def test_combine_shared_input_2_ranks():
+    spawn(shared_input_job, 2)
