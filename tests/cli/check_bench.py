@@ -13,7 +13,7 @@ FIELDS = [
     "launcher", "threads", "iters", "warmup", "rows", "row_bytes", "bytes", "bytes_bf16_equiv",
     "time_us_median", "time_us_min", "time_us_p99", "time_us_max", "gbps", "gbps_bf16_equiv", "memcpy_gbps",
     "ratio_to_memcpy", "baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified",
-    "verified", "combine_input", "segment_bytes", "peak_rss_mb", "peak_rss_mb_per_rank",
+    "verified", "combine_input", "segment_bytes", "first_iter_us", "first_iter_ratio", "peak_rss_mb", "peak_rss_mb_per_rank",
     "nodes", "network_bytes", "network_gbps", "link_gbps", "ratio_to_link",
 ]
 NETWORK = ["network_bytes", "network_gbps", "link_gbps", "ratio_to_link"]

@@ -59,7 +59,11 @@ const char* kBenchEpilog =
     "bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
     "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
-    "verified, combine_input, segment_bytes, peak_rss_mb, peak_rss_mb_per_rank.\n\n"
+    "verified, combine_input, segment_bytes, first_iter_us, first_iter_ratio, peak_rss_mb,\n"
+    "peak_rss_mb_per_rank.\n\n"
+    "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
+    "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call\n"
+    "(--output-reserve faults its outputs in at creation).\n\n"
     "combine_input: shared when every combine read its x from Buffer::get_combine_input (with\n"
     "--combine-input shared: the Buffer gets num_combine_input_bytes for tokens x topk rows + 25%, and the\n"
     "dispatched rows are copied there untimed, as an expert would write its outputs; on one node the\n"
@@ -117,6 +121,7 @@ struct BenchOptions {
   int threads_flag = 0;         // --threads: Config::num_threads (0 = the library's default)
   int threads = 1;              // resolved: copy threads per rank, for epcomm and the memcpy limit
   std::string plot;             // --plot FILE.svg, or ""
+  int64_t output_reserve = -1;  // --output-reserve: bytes, or -1 = auto (the first call's expected recv_x)
   bool shared_input = false;    // --combine-input shared: combine reads x from Buffer::get_combine_input
 };
 
@@ -174,8 +179,9 @@ struct OrderRun {
   std::vector<double> times, baseline_times;  // dispatch [iters], then combine [iters]
   int64_t rows = 0, dispatch_bytes = 0, combine_bytes = 0;
   int64_t ok = 1, baseline_dispatch_ok = 1, baseline_combine_ok = 1;
-  int64_t shared_input = 0;  // 1: every combine read x from the shared combine-input area
-  double peak_rss_mb = 0;    // after epcomm's first iteration, before the baseline's buffers exist
+  int64_t shared_input = 0;    // 1: every combine read x from the shared combine-input area
+  double first_s[2] = {0, 0};  // the first (warm-up) iteration's dispatch and combine times
+  double peak_rss_mb = 0;      // after epcomm's first iteration, before the baseline's buffers exist
 };
 
 DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Inputs& in,
@@ -301,6 +307,8 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       run.times[iters + it] = tc;
     }
     if (first) {  // checked once, outside the timings
+      run.first_s[0] = td;
+      run.first_s[1] = tc;
       progress.phase(name + ": verifying the first iteration");
       check_first(ro, order, r, name, in, *d, *c, run);
       run.peak_rss_mb = peak_rss_mb();
@@ -362,6 +370,7 @@ struct OrderReport {
   std::vector<int64_t>
       counts;  // per rank: rows, dispatch bytes, combine bytes, ok, baseline dispatch/combine ok
   std::vector<double> peak_rss_mb;  // per rank
+  std::vector<double> first_s;      // per rank: the first iteration's dispatch and combine seconds
   double memcpy_gbps[2] = {0, 0};   // dispatch, combine
   bool has_baseline = false;
   // Internode: per rank, (token, other node) pairs (rows over the network); all ranks' link GB/s summed.
@@ -393,6 +402,9 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   const double peak = *std::max_element(rep.peak_rss_mb.begin(), rep.peak_rss_mb.end());
   for (int op = 0; op < 2; ++op) {
     const Timing tm = slowest_rank_timing(rep.times, R, iters, op);
+    double first_us = 0;  // the slowest rank's first iteration
+    for (int s = 0; s < R; ++s)
+      first_us = std::max(first_us, rep.first_s[2 * static_cast<size_t>(s) + op] * 1e6);
     const int64_t bytes = op == 0 ? dbytes : cbytes;
     const int64_t bf16_bytes = rows * ro.hidden * 2;  // the same rows as bf16, whatever moved
     const double gbps = tm.median > 0 ? static_cast<double>(bytes) / tm.median / 1e3 : 0.0;
@@ -461,6 +473,8 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
     j.add("verified", verified)
         .add("combine_input", shared ? "shared" : "private")
         .add("segment_bytes", segment_bytes)
+        .add("first_iter_us", first_us, 1)
+        .add("first_iter_ratio", tm.median > 0 ? first_us / tm.median : 0.0, 2)
         .add("peak_rss_mb", peak, 1)
         .add("peak_rss_mb_per_rank", rep.peak_rss_mb, 1);
     std::printf("%s\n", j.str().c_str());
@@ -490,6 +504,7 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
       bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
                                run.baseline_dispatch_ok, run.baseline_combine_ok, run.shared_input});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
+  rep.first_s = all_gather_values(bs, std::vector<double>{run.first_s[0], run.first_s[1]});
   rep.nodes = buffer.num_nodes();
   if (rep.nodes > 1) {
     int64_t pairs = 0;
@@ -536,6 +551,12 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     bo.num_combine_input_bytes =
         (rows + rows / 4 + 64) * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
   }
+  // The first call's outputs, faulted in at creation (no first-call cliff): typical routing gives about
+  // tokens x topk rows in expert_major (+15%).
+  bo.num_output_reserve_bytes =
+      o.output_reserve >= 0
+          ? o.output_reserve
+          : (o.tokens.front() * ro.topk + o.tokens.front() * ro.topk * 15 / 100) * ro.dispatch_row_bytes();
   Buffer buffer(group, bo);
   double link_gbps = 0;  // internode: the raw put bandwidth of the same transport, all ranks at once, summed
   if (buffer.num_nodes() > 1) {
@@ -635,6 +656,9 @@ int run_bench(int argc, char** argv) {
         "copy threads per rank: Config::num_threads of dispatch and combine, and the "
         "memcpy limit's threads; 0 = the library default (hardware threads / ranks)");
   p.add("plot", "FILE.svg", "", "also draw GB/s against tokens per rank (epcomm, baseline, memcpy) as SVG");
+  p.add("output-reserve", "BYTES|auto", "auto",
+        "BufferOptions::num_output_reserve_bytes: output memory faulted in at creation (auto: the expected "
+        "recv_x of the first call, tokens x topk rows + 15%; 0: none)");
   p.add("combine-input", "shared|private", "private",
         "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (origins read the "
         "rows in place on one node), private = the dispatched tensor itself");
@@ -655,6 +679,7 @@ int run_bench(int argc, char** argv) {
   o.threads_flag = static_cast<int>(p.integer("threads", 0, 1024));
   o.plot = p.str("plot");
   o.shared_input = p.choice("combine-input", {"shared", "private"}) == "shared";
+  if (p.str("output-reserve") != "auto") o.output_reserve = p.bytes("output-reserve");
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
     throw UsageError(bad_value("plot", "a file name that can be written", o.plot));
   if (!mpi) {
