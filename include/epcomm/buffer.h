@@ -66,10 +66,6 @@ struct BufferOptions {
   // Shared-memory area for expert outputs (get_combine_input); 0 = none. Equal on all ranks. On one node, a
   // combine whose x lies there moves no copy: each origin reads the rows of its tokens in place.
   int64_t num_combine_input_bytes = 0;
-  // Memory the allocator faults in at creation for the first outputs (Allocator::reserve; the default
-  // allocator keeps it for the first large output of at most this size and at least half of it, typically
-  // dispatch's recv_x), so that the first dispatch does not pay for first-touch page faults. 0 = none.
-  int64_t num_output_reserve_bytes = 0;
 };
 
 // What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.

@@ -68,14 +68,9 @@ class Allocator {
  public:
   virtual ~Allocator() = default;
   virtual Tensor allocate(DType dtype, const Shape& shape) = 0;
-  // Makes `bytes` of memory ready (faulted in) for later allocations, so that the first large ones do not
-  // pay for first-touch page faults. Optional: the default does nothing.
-  virtual void reserve(size_t bytes) { (void)bytes; }
 };
 
-// 64-byte aligned memory. Tensors of 2 MiB and more are anonymous mappings advised to use huge pages and
-// recycled through a bounded cache (up to 4 GiB): a later allocation of the same size, or of at least half a
-// cached block's size, reuses a block whose pages are already faulted in. reserve() pre-faults one block.
+// 64-byte aligned heap memory.
 std::shared_ptr<Allocator> default_allocator();
 
 // Convenience: a new contiguous tensor from `alloc` (default_allocator() when null).

@@ -33,8 +33,6 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                options.num_nvl_bytes);
   EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ",
                options.num_rdma_bytes);
-  EPCOMM_CHECK(options.num_output_reserve_bytes >= 0, pre,
-               "argument: num_output_reserve_bytes: expected >= 0, got ", options.num_output_reserve_bytes);
   EPCOMM_CHECK(options.num_combine_input_bytes >= 0, pre,
                "argument: num_combine_input_bytes: expected >= 0, got ", options.num_combine_input_bytes);
   EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
@@ -94,8 +92,6 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                                      group->next_instance());
   }
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
-  if (options.num_output_reserve_bytes > 0)
-    b.allocator->reserve(static_cast<size_t>(options.num_output_reserve_bytes));
   b.start_comm_thread();
 }
 

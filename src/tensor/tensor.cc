@@ -4,7 +4,6 @@
 #include <sys/mman.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -113,10 +112,8 @@ namespace {
 
 // Small tensors come from aligned_alloc. Large ones (>= 2 MiB) are anonymous mappings in whole 2 MiB
 // units, advised to use transparent huge pages, and recycled through a bounded cache: a fresh mapping
-// faults on first touch at well under 1 GB/s with 4 KiB pages (about 2 GB/s with huge pages on the
-// development VM), which would dominate a dispatch whose outputs are hundreds of MiB. Recycled blocks keep
-// their pages. A request takes the smallest cached block that fits and is at most twice its size (so that a
-// block reserved ahead, a little larger than the first outputs, serves them).
+// faults on first touch at well under 1 GB/s with 4 KiB pages, which would dominate a dispatch whose
+// outputs are hundreds of MiB. Recycled blocks keep their pages.
 class CachingAllocator final : public Allocator {
  public:
   static constexpr size_t kLarge = size_t{2} << 20;
@@ -131,24 +128,16 @@ class CachingAllocator final : public Allocator {
       if (!p) oom(bytes, dtype, shape);
       return Tensor::wrap(p, dtype, shape, {}, std::shared_ptr<void>(p, [](void* q) { std::free(q); }));
     }
-    size_t size = round_up(bytes);
+    const size_t size = (bytes + kLarge - 1) / kLarge * kLarge;
     void* p = take(size);
     if (!p) {
-      p = map(size);
-      if (!p) oom(bytes, dtype, shape);
+      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) oom(bytes, dtype, shape);
+      madvise(p, size, MADV_HUGEPAGE);
     }
     auto self = shared_from_this_();
     std::shared_ptr<void> owner(p, [self, size](void* q) { self->give_back(q, size); });
     return Tensor::wrap(p, dtype, shape, {}, std::move(owner));
-  }
-
-  void reserve(size_t bytes) override {
-    if (bytes < kLarge) return;
-    const size_t size = round_up(bytes);
-    void* p = map(size);
-    if (!p) EPCOMM_THROW(SystemError, "out of memory reserving ", size, " bytes of output memory");
-    std::memset(p, 0, size);  // fault every page in now
-    give_back(p, size);
   }
 
   static std::shared_ptr<CachingAllocator> instance() {
@@ -159,26 +148,16 @@ class CachingAllocator final : public Allocator {
  private:
   std::shared_ptr<CachingAllocator> shared_from_this_() { return instance(); }
 
-  static size_t round_up(size_t bytes) { return (bytes + kLarge - 1) / kLarge * kLarge; }
-  static void* map(size_t size) {
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return nullptr;
-    madvise(p, size, MADV_HUGEPAGE);
-    return p;
-  }
-
   [[noreturn]] static void oom(size_t bytes, DType dtype, const Shape& shape) {
     EPCOMM_THROW(SystemError, "out of memory allocating ", bytes, " bytes for a ", dtype_name(dtype),
                  shape_str(shape), " tensor");
   }
 
-  // The smallest cached block of at least `size` bytes and at most twice that; `size` becomes its size.
-  void* take(size_t& size) {
+  void* take(size_t size) {
     std::lock_guard<std::mutex> lk(m_);
-    auto it = free_.lower_bound(size);
-    if (it == free_.end() || it->first > 2 * size) return nullptr;
+    auto it = free_.find(size);
+    if (it == free_.end()) return nullptr;
     void* p = it->second;
-    size = it->first;
     free_.erase(it);
     cached_ -= size;
     return p;

@@ -1,8 +1,5 @@
 // unit/tensor_test.cc — Tensor bookkeeping: contiguity, sizes, the default allocator.
 #include <gtest/gtest.h>
-#include <sys/resource.h>
-
-#include <cstring>
 
 #include "epcomm/tensor.h"
 
@@ -32,39 +29,6 @@ TEST(Tensor, DefaultAllocatorAlignsAndRecyclesLargeBlocks) {
   EXPECT_EQ(b.data(), p);  // the freed block came back
   Tensor c = empty(DType::u8, {3});
   EXPECT_EQ(reinterpret_cast<uintptr_t>(c.data()) % 64, 0u);
-}
-
-// Minor page faults of this process so far.
-long minor_faults() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_minflt;
-}
-
-TEST(Tensor, DefaultAllocatorReserveFaultsMemoryInAhead) {
-  auto alloc = default_allocator();
-  alloc->reserve(size_t{120} << 20);
-  // A request of at least half the reserved block takes it: writing it costs no page faults.
-  Tensor a = alloc->allocate(DType::u8, {int64_t{100} << 20});
-  long f0 = minor_faults();
-  std::memset(a.data(), 1, a.nbytes());
-  const long with_reserve = minor_faults() - f0;
-  // The same request again (the block is in use): fresh memory, faulted in on first touch.
-  Tensor b = alloc->allocate(DType::u8, {int64_t{100} << 20});
-  EXPECT_NE(a.data(), b.data());
-  f0 = minor_faults();
-  std::memset(b.data(), 1, b.nbytes());
-  const long fresh = minor_faults() - f0;
-  EXPECT_GE(fresh, 40) << "100 MiB of fresh memory took only " << fresh << " faults";
-  EXPECT_LT(with_reserve * 4, fresh) << "reserved memory faulted " << with_reserve << " times, fresh "
-                                     << fresh;
-  // A request below half the block does not take it; one of at least half does.
-  void* reserved = a.data();
-  a = Tensor();
-  Tensor c = alloc->allocate(DType::u8, {int64_t{40} << 20});
-  EXPECT_NE(c.data(), reserved);
-  Tensor d = alloc->allocate(DType::u8, {int64_t{61} << 20});
-  EXPECT_EQ(d.data(), reserved);
 }
 
 }  // namespace epcomm

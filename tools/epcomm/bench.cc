@@ -62,8 +62,7 @@ const char* kBenchEpilog =
     "verified, combine_input, segment_bytes, first_iter_us, first_iter_ratio, peak_rss_mb,\n"
     "peak_rss_mb_per_rank.\n\n"
     "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
-    "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call\n"
-    "(--output-reserve faults its outputs in at creation).\n\n"
+    "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call.\n\n"
     "combine_input: shared when every combine read its x from Buffer::get_combine_input (with\n"
     "--combine-input shared: the Buffer gets num_combine_input_bytes for tokens x topk rows + 25%, and the\n"
     "dispatched rows are copied there untimed, as an expert would write its outputs; on one node the\n"
@@ -121,7 +120,6 @@ struct BenchOptions {
   int threads_flag = 0;         // --threads: Config::num_threads (0 = the library's default)
   int threads = 1;              // resolved: copy threads per rank, for epcomm and the memcpy limit
   std::string plot;             // --plot FILE.svg, or ""
-  int64_t output_reserve = -1;  // --output-reserve: bytes, or -1 = auto (the first call's expected recv_x)
   bool shared_input = false;    // --combine-input shared: combine reads x from Buffer::get_combine_input
 };
 
@@ -551,12 +549,6 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     bo.num_combine_input_bytes =
         (rows + rows / 4 + 64) * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
   }
-  // The first call's outputs, faulted in at creation (no first-call cliff): typical routing gives about
-  // tokens x topk rows in expert_major (+15%).
-  bo.num_output_reserve_bytes =
-      o.output_reserve >= 0
-          ? o.output_reserve
-          : (o.tokens.front() * ro.topk + o.tokens.front() * ro.topk * 15 / 100) * ro.dispatch_row_bytes();
   Buffer buffer(group, bo);
   double link_gbps = 0;  // internode: the raw put bandwidth of the same transport, all ranks at once, summed
   if (buffer.num_nodes() > 1) {
@@ -656,9 +648,6 @@ int run_bench(int argc, char** argv) {
         "copy threads per rank: Config::num_threads of dispatch and combine, and the "
         "memcpy limit's threads; 0 = the library default (hardware threads / ranks)");
   p.add("plot", "FILE.svg", "", "also draw GB/s against tokens per rank (epcomm, baseline, memcpy) as SVG");
-  p.add("output-reserve", "BYTES|auto", "auto",
-        "BufferOptions::num_output_reserve_bytes: output memory faulted in at creation (auto: the expected "
-        "recv_x of the first call, tokens x topk rows + 15%; 0: none)");
   p.add("combine-input", "shared|private", "private",
         "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (origins read the "
         "rows in place on one node), private = the dispatched tensor itself");
@@ -679,7 +668,6 @@ int run_bench(int argc, char** argv) {
   o.threads_flag = static_cast<int>(p.integer("threads", 0, 1024));
   o.plot = p.str("plot");
   o.shared_input = p.choice("combine-input", {"shared", "private"}) == "shared";
-  if (p.str("output-reserve") != "auto") o.output_reserve = p.bytes("output-reserve");
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
     throw UsageError(bad_value("plot", "a file name that can be written", o.plot));
   if (!mpi) {
