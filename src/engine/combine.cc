@@ -51,9 +51,19 @@ CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t 
 // our node, reduce what our node wrote into one f32 partial per token and send it back.
 class Hierarchy {
  public:
+  // `halves` windows in flight; lane half h starts `h * lane_stride` bytes into the lane's data.
   Hierarchy(OpContext& ctx, const CombineInput& in, const Handle::Impl& hd, const CombineGeometry& geo,
-            const CombineLane& cl, uint8_t* cx, float* cw)
-      : ctx_(ctx), in_(in), hd_(hd), geo_(geo), cl_(cl), cx_(cx), cw_(cw), inter_(ctx.internode()) {
+            const CombineLane& cl, int64_t halves, size_t lane_stride, uint8_t* cx, float* cw)
+      : ctx_(ctx),
+        in_(in),
+        hd_(hd),
+        geo_(geo),
+        cl_(cl),
+        halves_(halves),
+        lane_stride_(lane_stride),
+        cx_(cx),
+        cw_(cw),
+        inter_(ctx.internode()) {
     if (!inter_) return;
     const Topology& t = inter_->topo;
     R_ = t.size;
@@ -74,7 +84,7 @@ class Hierarchy {
         if (n != node_ && holds(tk, n)) tokens_[n].push_back(static_cast<int32_t>(tk));
     send_cursor_.assign(M_, 0);
     reduce_cursor_.assign(M_, 0);
-    routing_.assign(M_, {});
+    routing_.assign(static_cast<size_t>(2 * M_), {});
     // As proxy of rail peer s (node n): the ranks of our node holding copies of s's tokens, its windows.
     proxy_.assign(M_, {});
     for (int n = 0; n < M_; ++n) {
@@ -94,8 +104,12 @@ class Hierarchy {
   Hierarchy(const Hierarchy&) = delete;
   Hierarchy& operator=(const Hierarchy&) = delete;
 
-  // The routing buffers of the previous window may be reused (the network is done with them).
-  bool routing_free() const { return last_routing_ == 0 || inter_->net->complete(last_routing_); }
+  // The routing buffers of window w's half may be reused (the network is done with them).
+  bool routing_free(int64_t w) const {
+    const uint64_t t = last_routing_[w % halves_];
+    return t == 0 || inter_->net->complete(t);
+  }
+  bool all_routing_free() const { return routing_free(0) && routing_free(1); }
 
   // Opens our window w on the other nodes: the routing of its tokens each node holds copies of.
   void send_routing(int64_t w) {
@@ -106,7 +120,7 @@ class Hierarchy {
       size_t c0 = send_cursor_[n], c1 = c0;
       while (c1 < list.size() && list[c1] < t1) ++c1;
       send_cursor_[n] = c1;
-      std::vector<uint8_t>& buf = routing_[n];
+      std::vector<uint8_t>& buf = routing_[static_cast<size_t>((w % halves_) * M_ + n)];
       buf.assign(8 + (c1 - c0) * cl_.meta_entry, 0);
       *reinterpret_cast<int32_t*>(buf.data()) = static_cast<int32_t>(c1 - c0);
       uint8_t* e = buf.data() + 8;
@@ -121,9 +135,9 @@ class Hierarchy {
         }
       }
       Network::Piece piece{buf.data(), buf.size()};
-      last_routing_ = std::max(
-          last_routing_, ctx_.write_lane(inter_->topo.rail(n), &piece, 1, inter_->lane.data + cl_.meta_off,
-                                         offsetof(LaneControl, meta_ready), pack(seq_, w + 1)));
+      uint64_t& last = last_routing_[w % halves_];
+      last = std::max(last, ctx_.write_lane(inter_->topo.rail(n), &piece, 1, half_offset(w) + cl_.meta_off,
+                                            offsetof(LaneControl, meta_ready), pack(seq_, w + 1)));
     }
   }
 
@@ -150,7 +164,7 @@ class Hierarchy {
         const std::vector<int32_t>& list = tokens_[n];
         if (reduce_cursor_[n] >= list.size() || list[reduce_cursor_[n]] != t) continue;
         ++reduce_cursor_[n];
-        const float* p = reinterpret_cast<const float*>(ctx_.lane_base(me_, n) + inter_->lane.data +
+        const float* p = reinterpret_cast<const float*>(ctx_.lane_base(me_, n) + half_offset(w) +
                                                         cl_.partial_off + entry[n]++ * cl_.partial_stride);
         wparts[np] = p + in_.hidden;
         parts[np++] = p;
@@ -173,7 +187,7 @@ class Hierarchy {
       if (n == node_) continue;
       Proxied& p = proxy_[n];
       LaneControl* lc = ctx_.lane_control(me_, n);
-      if (p.opened == p.reduced && p.opened < p.nwin &&
+      if (p.opened < p.reduced + halves_ && p.opened < p.nwin &&
           lc->meta_ready.load(std::memory_order_acquire) >= pack(seq_, p.opened + 1)) {
         ++p.opened;
         ctx_.signal(lc->mirror.combine_open, pack(seq_, p.opened), me_);
@@ -181,15 +195,16 @@ class Hierarchy {
           if (d != me_) ctx_.notify(d);
         progressed = true;
       }
-      if (p.reduced < p.opened && contributors_done(p) &&
-          (p.ticket == 0 || inter_->net->complete(p.ticket))) {
+      const uint64_t ticket = p.ticket[p.reduced % halves_];
+      if (p.reduced < p.opened && contributors_done(p) && (ticket == 0 || inter_->net->complete(ticket))) {
         send_partials(p, n);
         ++p.reduced;
         progressed = true;
       }
-      all = all && p.reduced == p.nwin && (p.ticket == 0 || inter_->net->complete(p.ticket));
+      for (uint64_t t : p.ticket) all = all && (t == 0 || inter_->net->complete(t));
+      all = all && p.reduced == p.nwin;
     }
-    return all && routing_free();
+    return all && all_routing_free();
   }
 
  private:
@@ -198,9 +213,14 @@ class Hierarchy {
     int source = -1;
     std::vector<int> contributors;
     int64_t nwin = 0, opened = 0, reduced = 0;
-    uint64_t ticket = 0;
-    std::vector<float> partials;
+    uint64_t ticket[2] = {0, 0};     // of each half's partials write
+    std::vector<float> partials[2];  // per half
   };
+
+  // Where window w's half of a lane's data starts, from the lane's start.
+  size_t half_offset(int64_t w) const {
+    return inter_->lane.data + static_cast<size_t>(w % halves_) * lane_stride_;
+  }
 
   // Does node n hold a copy of our token t?
   bool holds(int64_t t, int n) const {
@@ -261,12 +281,13 @@ class Hierarchy {
 
   // Reduces what our node wrote for window p.reduced of rail peer p.source and sends the partials back.
   void send_partials(Proxied& p, int n) {
-    const uint8_t* lane = ctx_.lane_base(me_, n) + inter_->lane.data;
+    const uint8_t* lane = ctx_.lane_base(me_, n) + half_offset(p.reduced);
     const uint8_t* meta = lane + cl_.meta_off;
+    std::vector<float>& partials = p.partials[p.reduced % halves_];
     const int64_t count = *reinterpret_cast<const int32_t*>(meta);
     const int64_t t0 = p.reduced * W_;
     const size_t stride = cl_.partial_stride / 4;
-    p.partials.assign(static_cast<size_t>(count) * stride, 0.0f);
+    partials.assign(static_cast<size_t>(count) * stride, 0.0f);
     const uint8_t* rows[kMaxParts];
     float wts[kMaxParts];
     const float* gs[kMaxParts];
@@ -297,14 +318,14 @@ class Hierarchy {
           gs[c++] = slot(d).second;
         }
       }
-      float* out = p.partials.data() + e * stride;
+      float* out = partials.data() + e * stride;
       reduce_partial(in_.dtype, rows, expert_ ? wts : nullptr, c, in_.hidden, out);
       if (!expert_ && has_g_) sum_weights(gs, c, out + in_.hidden);
     }
-    Network::Piece piece{p.partials.data(), p.partials.size() * sizeof(float)};
-    p.ticket = ctx_.write_lane(p.source, &piece, 1, inter_->lane.data + cl_.partial_off,
-                               offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done),
-                               pack(seq_, p.reduced + 1));
+    Network::Piece piece{partials.data(), partials.size() * sizeof(float)};
+    p.ticket[p.reduced % halves_] = ctx_.write_lane(
+        p.source, &piece, 1, half_offset(p.reduced) + cl_.partial_off,
+        offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done), pack(seq_, p.reduced + 1));
   }
 
   OpContext& ctx_;
@@ -312,13 +333,15 @@ class Hierarchy {
   const Handle::Impl& hd_;
   CombineGeometry geo_;
   CombineLane cl_;
+  int64_t halves_ = 1;
+  size_t lane_stride_ = 0;
   uint8_t* cx_;
   float* cw_;
   Internode* inter_;
   int R_ = 1, M_ = 1, me_ = 0, node_ = 0, K_ = 0, L_ = 1;
   int64_t W_ = 1;
   bool expert_ = true, has_g_ = false;
-  uint64_t seq_ = 0, last_routing_ = 0;
+  uint64_t seq_ = 0, last_routing_[2] = {0, 0};
   size_t weights_off_ = 0;
   std::vector<std::vector<int32_t>> tokens_;
   std::vector<size_t> send_cursor_, reduce_cursor_;
@@ -375,21 +398,31 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   size_t half = std::min(kCombineHalfBytes, ctx.layout().data_bytes / 2 / kAlign * kAlign);
   if (combine_geometry(half, row_bytes, slots, wbytes).window < 1)
     half = ctx.layout().data_bytes / 2 / kAlign * kAlign;  // one token's slots exceed the cap
-  // Internode: one window at a time (the origin's window, the lanes' copy windows and partials advance
-  // together).
-  const bool two = !inter && combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
-  const int64_t halves = two ? 2 : 1;
-  const size_t area_bytes = two ? half : ctx.layout().data_bytes;
-  CombineGeometry geo = combine_geometry(area_bytes, row_bytes, slots, wbytes);
   // Internode routing entry: token index, then K expert ids and K weights (expert_major) or R destination
   // flags (rank_major). Partial: H' f32, then K f32 of reduced receiving-side weights (rank_major).
   const size_t meta_entry =
       expert ? 4 + 8 * static_cast<size_t>(K) : (4 + static_cast<size_t>(R) + 3) / 4 * 4;
   const size_t partial_bytes =
       4 * static_cast<size_t>(Hc) + (!expert && wbytes ? 4 * static_cast<size_t>(K) : 0);
+  bool two = combine_geometry(half, row_bytes, slots, wbytes).window >= 1;
+  // Internode the lanes' data is split the same way (copy window, routing and partials per half), so that
+  // window w + 1 is filled, and its partials travel, while w is reduced; one half when that does not fit.
+  size_t lane_stride = 0;
+  if (inter && two) {
+    lane_stride = inter->lane.data_bytes / 2 / kAlign * kAlign;
+    const CombineGeometry g2 = combine_geometry(half, row_bytes, slots, wbytes);
+    if (combine_lane(lane_stride, g2, g2.window, meta_entry, partial_bytes).window < 1) {
+      two = false;
+      lane_stride = 0;
+    }
+  }
+  const int64_t halves = two ? 2 : 1;
+  const size_t area_bytes = two ? half : ctx.layout().data_bytes;
+  CombineGeometry geo = combine_geometry(area_bytes, row_bytes, slots, wbytes);
   CombineLane cl;
   if (inter) {
-    cl = combine_lane(inter->lane.data_bytes, geo, geo.window, meta_entry, partial_bytes);
+    const size_t lane_room = two ? lane_stride : inter->lane.data_bytes;
+    cl = combine_lane(lane_room, geo, geo.window, meta_entry, partial_bytes);
     if (geo.window >= 1 && cl.window < 1)
       EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane.bytes * M,
                    " (one lane of ", inter->lane.bytes,
@@ -399,7 +432,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
                         combine_min_data_bytes(row_bytes, slots, wbytes) + 3 * kAlign + meta_entry +
                         align64(partial_bytes)));
     geo.window = std::min(geo.window, cl.window);
-    cl = combine_lane(inter->lane.data_bytes, geo, geo.window, meta_entry, partial_bytes);
+    cl = combine_lane(lane_room, geo, geo.window, meta_entry, partial_bytes);
   }
   if (geo.window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
@@ -448,7 +481,9 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
 
   // Contributor: write the copies of origin s's tokens in window w into s's slots.
   auto fill = [&](int s, int64_t w) {
-    uint8_t* area = ctx.data(s) + static_cast<size_t>(w % halves) * area_bytes;
+    // A remote origin's window is the copy window in its proxy's lane (here), in the same half.
+    uint8_t* area =
+        ctx.data(s) + static_cast<size_t>(w % halves) * (ctx.remote(s) ? lane_stride : area_bytes);
     const int64_t t0 = w * W, t1 = t0 + W;
     const int64_t end = hd.source_offsets[s + 1];
     while (pos[s] < end) {
@@ -555,7 +590,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   };
 
   int64_t reduced = 0, opened = 0;
-  Hierarchy hier(ctx, in, hd, geo, cl, cx, cw);
+  Hierarchy hier(ctx, in, hd, geo, cl, halves, lane_stride, cx, cw);
   auto contributors_done = [&](int64_t w) {
     for (int p = 0; p < R; ++p)
       if (hd.tokens_per_rank[p] > 0 &&
@@ -566,7 +601,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   ctx.run(
       "data",
       [&](bool& progressed) {
-        if (opened < my_nwin && opened < reduced + halves && (!inter || hier.routing_free())) {
+        if (opened < my_nwin && opened < reduced + halves && (!inter || hier.routing_free(opened))) {
           if (inter) hier.send_routing(opened);
           ++opened;
           ctx.control(me)->combine_open.store(pack(seq, opened), std::memory_order_seq_cst);
@@ -591,8 +626,10 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
         if (reduced < opened && contributors_done(reduced)) {
           if (inter) {
             hier.reduce(reduced, [&](int64_t t, int slot) { return reduce_copy_of(reduced, t, slot); });
-            std::fill(local_rows.begin(), local_rows.end(), nullptr);  // one window at a time internode
-            std::fill(local_weights.begin(), local_weights.end(), nullptr);
+            // The next window in this half starts empty.
+            const size_t first = static_cast<size_t>(reduced % halves) * WL * slots;
+            std::fill(local_rows.begin() + first, local_rows.begin() + first + WL * slots, nullptr);
+            std::fill(local_weights.begin() + first, local_weights.begin() + first + WL * slots, nullptr);
           } else
             reduce(reduced);
           ++reduced;
