@@ -31,7 +31,8 @@ for ns in "$na" "$nb"; do ip -n "$ns" link set lo up; done
 ip -n "$na" link set "$va" up && ip -n "$nb" link set "$vb" up || exit 1
 
 export EPCOMM_RANKS_PER_NODE=2 UCX_TLS=tcp EPCOMM_TIMEOUT_S=$deadline_s EPCOMM_TEST_MARKER=$marker
-shm_before=$(ls /dev/shm | grep -c '^epcomm-' || true)
+shm_names() { ls /dev/shm | grep '^epcomm-' | sort || true; }
+shm_before=$(shm_names)
 pids=()
 for r in 0 1 2 3; do
   if [ $r -lt 2 ]; then ns=$na dev=$va; else ns=$nb dev=$vb; fi
@@ -64,9 +65,14 @@ for i in "${!pids[@]}"; do
 done
 elapsed_ms=$((($(date +%s%N) - cut_at) / 1000000))
 echo "every rank done ${elapsed_ms} ms after the cut (deadline ${deadline_s} s)"
-shm_after=$(ls /dev/shm | grep -c '^epcomm-' || true)
-if [ "$shm_after" -gt "$shm_before" ]; then
-  echo "FAIL: $((shm_after - shm_before)) epcomm entries left in /dev/shm"
+# Entries that were not there before and are still there a moment later (another process's segments exist
+# only while its ranks map them).
+new_now=$(comm -13 <(echo "$shm_before") <(shm_names))
+sleep 2
+left=$(comm -12 <(echo "$new_now") <(comm -13 <(echo "$shm_before") <(shm_names)) | grep -c . || true)
+if [ "$left" -gt 0 ]; then
+  echo "FAIL: $left epcomm entries left in /dev/shm:"
+  comm -12 <(echo "$new_now") <(comm -13 <(echo "$shm_before") <(shm_names))
   rc=1
 fi
 [ $rc -eq 0 ] && echo "PASS internode_link_cut"
