@@ -106,6 +106,8 @@ MR_CASE("combine_shared_input", {}) {
   if (d.handle->num_rows() > 0)
     expect_error([&] { none.get_combine_input(*d.handle); }, ErrorCode::InvalidUsage,
                  {"get_combine_input", "num_combine_input_bytes = 0"});
+  else  // no rows need no area
+    REQUIRE(none.get_combine_input(*d.handle).size(0) == 0, "a rank without rows got a non-empty area");
 }
 
 MR_CASE("dispatch_skewed_rounds", {}) {
