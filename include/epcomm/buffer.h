@@ -66,6 +66,9 @@ struct BufferOptions {
   // Shared-memory area for expert outputs (get_combine_input); 0 = none. Equal on all ranks. On one node, a
   // combine whose x lies there moves no copy: each origin reads the rows of its tokens in place.
   int64_t num_combine_input_bytes = 0;
+  // Shared-memory area for dispatch inputs (get_dispatch_input); 0 = none. Equal on all ranks. On one node, a
+  // dispatch whose plain x lies there stages nothing but the routing: receivers read the rows in place.
+  int64_t num_dispatch_input_bytes = 0;
 };
 
 // What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.
@@ -183,6 +186,25 @@ class Buffer {
   // combine that reads it is in flight. hidden = 0: the dispatched hidden size.
   Tensor get_combine_input(const Handle& handle, DType dtype = DType::bf16, int64_t hidden = 0);
   int64_t num_combine_input_bytes() const;
+  // A [num_tokens, hidden] tensor of `dtype` (bf16, f16 or f32) at the start of this rank's shared
+  // dispatch-input area (BufferOptions::num_dispatch_input_bytes; InvalidUsage when it is too small). Write
+  // the tokens there (or have the layer before dispatch write its output there) and pass it, or a view of its
+  // first rows, as DispatchArgs::x of a plain (unquantized) dispatch: on one node the sender then stages only
+  // the routing and every receiver reads the rows it needs in place, so each received byte is copied once.
+  // Same lifetime rules as get_combine_input: one area per Buffer, valid until destroy(); do not write it
+  // while a dispatch that reads it is in flight.
+  Tensor get_dispatch_input(int64_t num_tokens, int64_t hidden, DType dtype = DType::bf16);
+  int64_t num_dispatch_input_bytes() const;
+
+  // What this rank's calls copied and what its peers read in place, since the Buffer was created: shows
+  // whether the shared input areas are in use. Read between calls (after their events completed).
+  struct CopyCounters {
+    int64_t dispatch_staged_tokens = 0;  // tokens whose payload this rank copied (or quantized) into staging
+    int64_t dispatch_in_place_tokens = 0;  // tokens receivers read in place from its dispatch-input area
+    int64_t combine_copied_rows = 0;       // rows it copied into other ranks' combine windows
+    int64_t combine_in_place_rows = 0;     // rows other ranks read in place from its combine-input area
+  };
+  CopyCounters copy_counters() const;
 
   // Local: waits for this rank's queued operations, releases the segment, invalidates handles.
   void destroy();

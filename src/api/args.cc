@@ -216,6 +216,16 @@ void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
                                                                                         : SS::flat;
 }
 
+// x in this rank's shared dispatch-input area, plain (no scales, no quantization): the receivers read its
+// rows in place (one node only).
+void detect_shared_dispatch_input(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in) {
+  if (b.dispatch_input_bytes == 0 || b.inter || !in.format.plain || a.x.scales || a.x.data.nbytes() == 0)
+    return;
+  const uint8_t* area = b.dispatch_input_area();
+  if (in.x >= area && in.x + a.x.data.nbytes() <= area + b.dispatch_input_bytes)
+    in.shared_offset = static_cast<int64_t>(b.dispatch_input_offset) + (in.x - area);
+}
+
 }  // namespace
 
 void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
@@ -256,6 +266,7 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
                  "argument: receive_order = ", receive_order_name(*a.receive_order),
                  " differs from the handle's ", receive_order_name(hd.order));
     select_format(a, in);
+    detect_shared_dispatch_input(b, a, in);
     EPCOMM_CHECK_EQ(a.x.data.size(0), hd.num_tokens, "argument: x: rows must equal handle.num_tokens");
     in.num_tokens = hd.num_tokens;
     in.num_experts = hd.num_experts;
@@ -268,6 +279,7 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   order = a.receive_order.value_or(b.options.receive_order);
   in.order = order;
   select_format(a, in);
+  detect_shared_dispatch_input(b, a, in);
   const int64_t T = a.x.data.size(0);
   EPCOMM_CHECK(T < (int64_t{1} << 31), "argument: x: num_tokens = ", T, " must be below 2^31");
   in.num_tokens = T;

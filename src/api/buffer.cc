@@ -35,6 +35,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                options.num_rdma_bytes);
   EPCOMM_CHECK(options.num_combine_input_bytes >= 0, pre,
                "argument: num_combine_input_bytes: expected >= 0, got ", options.num_combine_input_bytes);
+  EPCOMM_CHECK(options.num_dispatch_input_bytes >= 0, pre,
+               "argument: num_dispatch_input_bytes: expected >= 0, got ", options.num_dispatch_input_bytes);
   EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
                " ranks are supported, got ", b.num_ranks);
   b.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
@@ -51,8 +53,9 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   struct Sizes {
     int64_t nvl, rdma;
     int32_t nodes, rpn;
-    int64_t input;
-  } mine{options.num_nvl_bytes, options.num_rdma_bytes, b.num_nodes, P, options.num_combine_input_bytes};
+    int64_t input, dispatch_input;
+  } mine{options.num_nvl_bytes,           options.num_rdma_bytes,          b.num_nodes, P,
+         options.num_combine_input_bytes, options.num_dispatch_input_bytes};
   std::vector<std::byte> bytes(sizeof(Sizes));
   std::memcpy(bytes.data(), &mine, sizeof(Sizes));
   auto all = group->bootstrap().all_gather(bytes);
@@ -71,7 +74,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                                  "num_nvl_bytes", [](const Sizes& s) { return s.nvl; }},
                              {"num_rdma_bytes", [](const Sizes& s) { return s.rdma; }},
                              {"ranks_per_node", [](const Sizes& s) { return int64_t{s.rpn}; }},
-                             {"num_combine_input_bytes", [](const Sizes& s) { return s.input; }}}) {
+                             {"num_combine_input_bytes", [](const Sizes& s) { return s.input; }},
+                             {"num_dispatch_input_bytes", [](const Sizes& s) { return s.dispatch_input; }}}) {
     auto [differ, s] = per_rank(field);
     EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", name, ": ", s);
   }
@@ -81,26 +85,33 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                " is below the control part of the segment plus 256 bytes (", minimum, " bytes for ", R,
                " ranks)");
 
+  // The shared input areas follow the segment's own bytes (and, across nodes, its lanes), page-aligned:
+  // the combine-input area, then the dispatch-input area.
   b.input_bytes = options.num_combine_input_bytes;
+  b.dispatch_input_bytes = options.num_dispatch_input_bytes;
+  auto page = [](size_t n) { return (n + 4095) / 4096 * 4096; };
+  const size_t extra = b.dispatch_input_bytes ? page(static_cast<size_t>(b.input_bytes)) +
+                                                    static_cast<size_t>(b.dispatch_input_bytes)
+                                              : static_cast<size_t>(b.input_bytes);
   if (b.num_nodes > 1) {
-    b.setup_internode(pre);
+    b.setup_internode(pre, extra);
   } else {
-    b.input_offset = (static_cast<size_t>(b.nvl_bytes) + 4095) / 4096 * 4096;
+    b.input_offset = page(static_cast<size_t>(b.nvl_bytes));
     b.transport = make_shm_transport(group->bootstrap(),
-                                     b.input_bytes ? b.input_offset + static_cast<size_t>(b.input_bytes)
-                                                   : static_cast<size_t>(b.nvl_bytes),
+                                     extra ? b.input_offset + extra : static_cast<size_t>(b.nvl_bytes),
                                      group->next_instance());
   }
+  b.dispatch_input_offset = b.input_offset + page(static_cast<size_t>(b.input_bytes));
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
   b.start_comm_thread();
 }
 
 // Internode (spec §6): equal node sizes, a shared-memory transport over this node's ranks whose segments
 // also hold one lane per node (num_rdma_bytes in all), and the network to our rail peers on the other nodes.
-void Buffer::Impl::setup_internode(const std::string& pre) {
+void Buffer::Impl::setup_internode(const std::string& pre, size_t extra_bytes) {
   detail::InternodeParts parts =
       detail::setup_internode(*group, node_of_rank, static_cast<size_t>(nvl_bytes), options.num_rdma_bytes,
-                              "num_rdma_bytes", timeout_s, pre, "rank", static_cast<size_t>(input_bytes));
+                              "num_rdma_bytes", timeout_s, pre, "rank", extra_bytes);
   input_offset = parts.extra_offset;
   inter = std::move(parts.inter);
   node_bootstrap = std::move(parts.node_bootstrap);
@@ -174,6 +185,43 @@ int64_t Buffer::num_combine_input_bytes() const {
 uint8_t* Buffer::Impl::input_area() const {
   const int local = inter ? inter->topo.local_index[rank] : rank;
   return transport->segment(local) + input_offset;
+}
+
+uint8_t* Buffer::Impl::dispatch_input_area() const {
+  const int local = inter ? inter->topo.local_index[rank] : rank;
+  return transport->segment(local) + dispatch_input_offset;
+}
+
+int64_t Buffer::num_dispatch_input_bytes() const {
+  return impl_->dispatch_input_bytes;
+}
+
+Tensor Buffer::get_dispatch_input(int64_t num_tokens, int64_t hidden, DType dtype) {
+  Impl& b = *impl_;
+  b.check_usable("get_dispatch_input");
+  const std::string pre = detail::cat("epcomm[rank ", b.rank, "] get_dispatch_input: ");
+  EPCOMM_CHECK(dtype == DType::bf16 || dtype == DType::f16 || dtype == DType::f32, pre,
+               "argument: dtype: expected bf16, f16 or f32, got ", dtype_name(dtype));
+  EPCOMM_CHECK(num_tokens >= 0, pre, "argument: num_tokens: expected >= 0, got ", num_tokens);
+  EPCOMM_CHECK(hidden >= 1, pre, "argument: hidden: expected >= 1, got ", hidden);
+  const int64_t row = hidden * static_cast<int64_t>(dtype_size(dtype));
+  EPCOMM_CHECK(
+      num_tokens <= (b.dispatch_input_bytes / row), pre, "capacity: ", num_tokens, " tokens x ", hidden, " ",
+      dtype_name(dtype), " need ", num_tokens * row,
+      " bytes, but num_dispatch_input_bytes = ", b.dispatch_input_bytes,
+      b.dispatch_input_bytes ? "" : " (BufferOptions::num_dispatch_input_bytes sets the shared area)");
+  return Tensor::wrap(b.dispatch_input_area(), dtype, {num_tokens, hidden}, {},
+                      std::shared_ptr<void>(b.alive, b.dispatch_input_area()));
+}
+
+Buffer::CopyCounters Buffer::copy_counters() const {
+  const engine::CopyCounters& c = impl_->counters;
+  CopyCounters r;
+  r.dispatch_staged_tokens = c.dispatch_staged_tokens.load(std::memory_order_relaxed);
+  r.dispatch_in_place_tokens = c.dispatch_in_place_tokens.load(std::memory_order_relaxed);
+  r.combine_copied_rows = c.combine_copied_rows.load(std::memory_order_relaxed);
+  r.combine_in_place_rows = c.combine_in_place_rows.load(std::memory_order_relaxed);
+  return r;
 }
 
 Tensor Buffer::get_combine_input(const Handle& handle, DType dtype, int64_t hidden) {
@@ -423,6 +471,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     in->poison = env::poison_outputs();
     in->buffer_key = &b;
     in->buffer_alive = b.alive;
+    in->counters = &b.counters;
     if (!cached) {
       out->handle = std::make_shared<Handle::Impl>();
       out->handle->buffer_key = &b;
@@ -479,6 +528,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   if (!verr) {
     const Handle::Impl& hd = *in->handle;
     in->poison = env::poison_outputs();
+    in->counters = &b.counters;
     out->combined_x = b.allocator->allocate(in->dtype, {hd.num_tokens, in->hidden});
     if (hd.order == ReceiveOrder::expert_major || in->has_recv_weights)
       out->combined_topk_weights = b.allocator->allocate(DType::f32, {hd.num_tokens, hd.num_topk});

@@ -33,6 +33,9 @@ struct Buffer::Impl {
   engine::SegmentLayout layout;
   int64_t input_bytes = 0;  // the shared combine-input area: size, and offset from the segment's start
   size_t input_offset = 0;
+  int64_t dispatch_input_bytes = 0;  // the shared dispatch-input area (after the combine-input area)
+  size_t dispatch_input_offset = 0;
+  engine::CopyCounters counters;
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
   uint64_t seq = 0;                                       // last sequence number issued
   bool destroyed = false;
@@ -47,8 +50,9 @@ struct Buffer::Impl {
   std::deque<std::function<void()>> queue;
   bool stop = false;
 
-  void setup_internode(const std::string& pre);
+  void setup_internode(const std::string& pre, size_t extra_bytes);
   uint8_t* input_area() const;  // this rank's shared combine-input area
+  uint8_t* dispatch_input_area() const;
   void start_comm_thread();
   void stop_comm_thread() noexcept;
   void enqueue(std::function<void()> task);

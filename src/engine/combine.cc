@@ -486,6 +486,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
         ctx.data(s) + static_cast<size_t>(w % halves) * (ctx.remote(s) ? lane_stride : area_bytes);
     const int64_t t0 = w * W, t1 = t0 + W;
     const int64_t end = hd.source_offsets[s + 1];
+    const int64_t first = pos[s];
     while (pos[s] < end) {
       const int32_t row = hd.source_rows[pos[s]];
       const int64_t t = src_tok[row];
@@ -509,6 +510,9 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
       }
       ++pos[s];
     }
+    if (in.counters && s != me)
+      in.counters->add(by_index ? in.counters->combine_in_place_rows : in.counters->combine_copied_rows,
+                       pos[s] - first);
   };
 
   // Origin: reduce window w into combined_x.

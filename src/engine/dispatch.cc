@@ -1,6 +1,7 @@
 // engine/dispatch.cc — dispatch: each sender stages its tokens (quantized once) in its own segment, window
 // by window (two halves, so staging overlaps pulling); every receiver walks each source's window and copies
-// the rows it owns straight to their final offsets, computed from the exchanged counts.
+// the rows it owns straight to their final offsets, computed from the exchanged counts. A sender whose x
+// lies in its shared dispatch-input area stages only the routing; receivers read its rows in place.
 #include "engine/dispatch.h"
 
 #include <algorithm>
@@ -138,13 +139,21 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   const int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
   uint8_t* my_area = ctx.data(me);
   const RowFormat& f = in.format;
+  // x in our shared dispatch-input area (one node, plain rows): receivers read the rows in place, the
+  // windows carry only the routing (same geometry, so that every rank computes the same windows).
+  const bool share_x = !inter && in.shared_offset >= 0 && !f.quantize && !in.scales;
   auto stage = [&](int64_t w) {
     uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
     const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
+    if (in.counters)
+      in.counters->add(share_x ? in.counters->dispatch_in_place_tokens : in.counters->dispatch_staged_tokens,
+                       t1 - t0);
     for (int64_t t = t0; t < t1; ++t) {
       uint8_t* dst = half + (t - t0) * geo.row_stride;
       const uint8_t* x = in.x + t * in.x_row_bytes;
-      if (f.quantize) {
+      if (share_x) {
+        // nothing to copy
+      } else if (f.quantize) {
         quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
       } else {
         copy_row(dst, x, f.data_row_bytes);
@@ -206,6 +215,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   h.expert_alignment = in.expert_alignment;
   h.num_worst_tokens = in.num_worst_tokens;
   h.handle_id = in.cached ? hd->seq : 0;
+  h.input_offset = share_x ? in.shared_offset : -1;
   std::copy(std::begin(in.chunks), std::end(in.chunks), h.chunks);
   if (!in.cached) {
     h.num_counts = in.num_experts + R;
@@ -371,9 +381,17 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   if (in.cached)
     for (int s = 0; s < R; ++s) cached_pos[s] = hd->source_offsets[s];
 
+  // Sources whose x lies in their shared dispatch-input area: rows are read there, in place.
+  std::vector<const uint8_t*> shared_x(R, nullptr);
+  for (int s = 0; s < R; ++s)
+    if (!inter && ctx.header(s)->input_offset >= 0)
+      shared_x[s] = ctx.data(s) - ctx.layout().data + ctx.header(s)->input_offset;
+
   auto pull = [&](int s, int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);
     const StagedWindow win = StagedWindow::of(ctx, s, w, geo, lane_half, net_meta, tokens_of[s]);
+    const uint8_t* sx = shared_x[s];
+    auto payload_of = [&](int64_t e) { return sx ? sx + win.token(e) * row_bytes : win.payload(e); };
     if (in.cached) {
       const int32_t* src_tok = hd->recv_src_token.data_as<int32_t>();
       int64_t& pos = cached_pos[s];
@@ -385,14 +403,14 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         while (e < win.count && win.token(e) < src_tok[row]) ++e;  // ascending; holds every token we need
         EPCOMM_CHECK(e < win.count && win.token(e) == src_tok[row], ctx.prefix(), "internal: token ",
                      src_tok[row], " of rank ", s, " missing from its forwarded window ", w);
-        o.copy_payload(row, win.payload(e));
+        o.copy_payload(row, payload_of(e));
         ++pos;
       }
       return;
     }
     for (int64_t e = 0; e < win.count; ++e) {
       const int64_t t = win.token(e);
-      const uint8_t* payload = win.payload(e);
+      const uint8_t* payload = payload_of(e);
       const uint8_t* m = win.meta(e);
       if (K == 0) {  // rank_major without top-k
         if (!m[me]) continue;

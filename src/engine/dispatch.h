@@ -36,7 +36,12 @@ struct DispatchInput {
   DType x_dtype = DType::bf16;
   const uint8_t* x = nullptr;  // [T, row] contiguous (x_dtype, or data_dtype for pre-quantized input)
   size_t x_row_bytes = 0;
-  const uint8_t* scales = nullptr;  // pre-quantized scales: element (t, c) at scales + (t*st0 + c*st1)*size
+  // >= 0 when x (plain, no scales) lies in this rank's shared dispatch-input area
+  // (Buffer::get_dispatch_input): its offset from the start of this rank's segment. On one node receivers
+  // then read the rows in place and the sender stages only the routing.
+  int64_t shared_offset = -1;
+  CopyCounters* counters = nullptr;  // optional
+  const uint8_t* scales = nullptr;   // pre-quantized scales: element (t, c) at scales + (t*st0 + c*st1)*size
   int64_t scale_stride0 = 0, scale_stride1 = 0;
   DType idx_dtype = DType::i64;
   std::vector<int32_t> ids;                    // [T*K] normalized

@@ -2,6 +2,7 @@
 // progress loops, and error messages that start "epcomm[rank r] <op>#<seq>:" and name the peers.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -13,6 +14,16 @@
 #include "transport/transport.h"
 
 namespace epcomm::engine {
+
+// What a rank's calls copied and what its peers read in place (Buffer::copy_counters). Written by the
+// thread that runs the calls, read by any thread between calls.
+struct CopyCounters {
+  std::atomic<int64_t> dispatch_staged_tokens{0};    // tokens whose payload this rank staged (or quantized)
+  std::atomic<int64_t> dispatch_in_place_tokens{0};  // tokens read in place from the shared dispatch input
+  std::atomic<int64_t> combine_copied_rows{0};       // rows this rank copied into other origins' windows
+  std::atomic<int64_t> combine_in_place_rows{0};     // rows other origins read in place (shared input)
+  void add(std::atomic<int64_t>& c, int64_t n) { c.fetch_add(n, std::memory_order_relaxed); }
+};
 
 class OpContext {
  public:

@@ -42,8 +42,10 @@ struct HeaderData {
   int64_t hidden, row_bytes, num_tokens, expert_alignment, num_worst_tokens;
   uint64_t handle_id;
   int32_t chunks[4];
-  // combine: where this rank's expert outputs `x` start, in bytes from the start of its segment, when they
-  // lie in its shared combine-input area (origins then read them in place); -1 otherwise.
+  // Where this rank's `x` starts, in bytes from the start of its segment, when it lies in a shared input
+  // area (one node only; -1 otherwise): combine's expert outputs in the combine-input area (origins read
+  // them in place), dispatch's tokens in the dispatch-input area (receivers read them in place, nothing is
+  // staged but the routing).
   int64_t input_offset;
   int32_t num_counts;  // entries of the counts array that follows: E pairs per expert, then R tokens per rank
   char message[kMessageBytes];

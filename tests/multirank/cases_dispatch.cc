@@ -110,6 +110,78 @@ MR_CASE("combine_shared_input", {}) {
     REQUIRE(none.get_combine_input(*d.handle).size(0) == 0, "a rank without rows got a non-empty area");
 }
 
+// Dispatch from the shared dispatch-input area (Buffer::get_dispatch_input): on one node the receivers read
+// the senders' rows in place and nothing but the routing is staged. Results must equal the reference bit for
+// bit in both orders, with alignment, worst-case rows, other dtypes, cached re-dispatch, async chains and
+// windows that move in rounds (small segment); the copy counters must show which path ran. Across nodes the
+// same calls stage as before.
+MR_CASE("dispatch_shared_input", {}) {
+  BufferOptions o = test_options(1 << 20);
+  o.num_dispatch_input_bytes = 4 << 20;
+  o.num_combine_input_bytes = 8 << 20;  // both areas in one segment
+  Buffer buf(ctx.group, o);
+  REQUIRE(buf.num_dispatch_input_bytes() == 4 << 20, "num_dispatch_input_bytes ",
+          buf.num_dispatch_input_bytes());
+  const bool one_node = buf.num_nodes() == 1;
+  uint64_t seed = 400;
+  for (ReceiveOrder order : kOrders) {
+    for (int64_t align : {1, 64}) {
+      RoundTrip rt;
+      rt.spec = spec_for(ctx, seed++, 3, 4, 512);
+      rt.spec.min_tokens = 150;  // several windows of the 1 MiB segment
+      rt.spec.max_tokens = 300;
+      rt.order = order;
+      rt.expert_alignment = align;
+      rt.cached = true;
+      rt.shared_dispatch_input = true;
+      const Buffer::CopyCounters c0 = buf.copy_counters();
+      run_round_trip(ctx, buf, rt);
+      const Buffer::CopyCounters c1 = buf.copy_counters();
+      const int64_t T = make_problem(rt.spec).ranks[ctx.rank].num_tokens;
+      // Two dispatches (fresh, cached) of T tokens each.
+      check_scalar<int64_t>("dispatch_in_place_tokens",
+                            c1.dispatch_in_place_tokens - c0.dispatch_in_place_tokens, one_node ? 2 * T : 0);
+      check_scalar<int64_t>("dispatch_staged_tokens", c1.dispatch_staged_tokens - c0.dispatch_staged_tokens,
+                            one_node ? 0 : 2 * T);
+    }
+    RoundTrip other;  // f16 tokens, worst-case rows, async chain, both shared areas
+    other.spec = spec_for(ctx, seed++, 2, 3, 40, DType::f16);
+    other.order = order;
+    other.num_worst_tokens = -3;
+    other.async = true;
+    other.shared_dispatch_input = true;
+    other.shared_input = true;
+    run_round_trip(ctx, buf, other);
+  }
+  // A private x is staged (and counted so); a quantized dispatch of a shared x is staged too.
+  const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
+  const int64_t T = pr.ranks[ctx.rank].num_tokens;
+  DispatchArgs args = dispatch_args_of(pr, ctx.rank, buf);
+  Buffer::CopyCounters c0 = buf.copy_counters();
+  buf.dispatch(args);
+  Buffer::CopyCounters c1 = buf.copy_counters();
+  check_scalar<int64_t>("private x: dispatch_staged_tokens",
+                        c1.dispatch_staged_tokens - c0.dispatch_staged_tokens, T);
+  check_scalar<int64_t>("private x: dispatch_in_place_tokens",
+                        c1.dispatch_in_place_tokens - c0.dispatch_in_place_tokens, 0);
+  Tensor sx = buf.get_dispatch_input(T, 64);
+  if (sx.nbytes()) std::memcpy(sx.data(), args.x.data.data(), sx.nbytes());
+  args.x.data = sx;
+  args.quant_mode = QuantMode::int8;
+  buf.dispatch(args);
+  Buffer::CopyCounters c2 = buf.copy_counters();
+  check_scalar<int64_t>("quantized: dispatch_staged_tokens",
+                        c2.dispatch_staged_tokens - c1.dispatch_staged_tokens, T);
+  // Too large a request: a capacity error naming the option.
+  expect_error([&] { buf.get_dispatch_input(1 << 20, 7168); }, ErrorCode::InvalidUsage,
+               {"get_dispatch_input", "num_dispatch_input_bytes = 4194304", "capacity"});
+  Buffer none(ctx.group, test_options(1 << 20));
+  expect_error([&] { none.get_dispatch_input(1, 64); }, ErrorCode::InvalidUsage,
+               {"get_dispatch_input", "num_dispatch_input_bytes = 0"});
+  REQUIRE(none.get_dispatch_input(0, 64).size(0) == 0, "zero tokens need no area");
+  expect_error([&] { none.get_dispatch_input(1, 0); }, ErrorCode::InvalidUsage, {"argument: hidden"});
+}
+
 MR_CASE("dispatch_skewed_rounds", {}) {
   // Every token to one rank, through a segment of the minimum size: many rounds, same results.
   for (ReceiveOrder order : kOrders) {

@@ -114,6 +114,11 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   // Dispatch.
   DispatchArgs a;
   a.x.data = x_of(P, r);
+  if (rt.shared_dispatch_input) {  // the same tokens, from the shared dispatch-input area
+    Tensor sx = buf.get_dispatch_input(P.ranks[r].num_tokens, P.spec.hidden, P.spec.dtype);
+    if (sx.nbytes()) std::memcpy(sx.data(), a.x.data.data(), sx.nbytes());
+    a.x.data = sx;
+  }
   a.num_tokens_per_expert = lay.num_tokens_per_expert;
   if (topk) {
     a.topk_idx = ti;
@@ -233,6 +238,11 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
       nx[s] = make_random_rows(P.ranks[s].num_tokens, H3, DType::f32, rt.spec.seed + 100 + s);
     DispatchArgs ca;
     ca.x.data = Tensor::wrap(nx[r].data(), DType::f32, {P.ranks[r].num_tokens, H3});
+    if (rt.shared_dispatch_input) {
+      Tensor sx = buf.get_dispatch_input(P.ranks[r].num_tokens, H3, DType::f32);
+      if (sx.nbytes()) std::memcpy(sx.data(), nx[r].data(), sx.nbytes());
+      ca.x.data = sx;
+    }
     ca.handle = d.handle;
     ca.async_finish = rt.async;
     DispatchResult cd = buf.dispatch(ca);

@@ -22,6 +22,7 @@ struct RoundTrip {
   DType combine_dtype = DType::bf16;
   int64_t combine_hidden = 0;  // 0: same as spec.hidden
   bool shared_input = false;   // combines read x from Buffer::get_combine_input (the Buffer must have one)
+  bool shared_dispatch_input = false;  // dispatches read x from Buffer::get_dispatch_input (same)
 };
 
 BufferOptions test_options(int64_t nvl_bytes = 8 << 20, double timeout_s = 60);
