@@ -59,14 +59,19 @@ const char* kBenchEpilog =
     "bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
     "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
-    "verified, combine_input, segment_bytes, first_iter_us, first_iter_ratio, peak_rss_mb,\n"
+    "verified, dispatch_input, combine_input, segment_bytes, first_iter_us, first_iter_ratio, peak_rss_mb,\n"
     "peak_rss_mb_per_rank.\n\n"
     "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
     "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call.\n\n"
     "combine_input: shared when every combine read its x from Buffer::get_combine_input (with\n"
     "--combine-input shared: the Buffer gets num_combine_input_bytes for tokens x topk rows + 25%, and the\n"
     "dispatched rows are copied there untimed, as an expert would write its outputs; on one node the\n"
-    "origins then read every copy in place), private (the default) when x was the dispatched tensor.\n\n"
+    "origins then read every copy in place), private (the default) when x was the dispatched tensor.\n"
+    "dispatch_input: shared when no dispatch of the line staged a token (Buffer::copy_counters; with\n"
+    "--dispatch-input shared the tokens are written once, untimed, into Buffer::get_dispatch_input and "
+    "every\n"
+    "receiver reads its rows there in place; a quantizing --quant or several nodes still stage), else\n"
+    "private.\n\n"
     "Across nodes (--ranks-per-node P, or EPCOMM_RANKS_PER_NODE; with UCX_TLS=tcp virtual nodes on one host\n"
     "talk over TCP sockets): network_bytes = pairs x row_bytes (dispatch) or pairs x H x 4 (combine: f32\n"
     "partials), pairs = (token, other node that needs it) over all ranks; network_gbps = network_bytes /\n"
@@ -121,6 +126,7 @@ struct BenchOptions {
   int threads = 1;              // resolved: copy threads per rank, for epcomm and the memcpy limit
   std::string plot;             // --plot FILE.svg, or ""
   bool shared_input = false;    // --combine-input shared: combine reads x from Buffer::get_combine_input
+  bool shared_dispatch_input = false;  // --dispatch-input shared: dispatch reads x from get_dispatch_input
 };
 
 // The baseline exists for plain rows under MPI; the reason it is null otherwise.
@@ -177,9 +183,10 @@ struct OrderRun {
   std::vector<double> times, baseline_times;  // dispatch [iters], then combine [iters]
   int64_t rows = 0, dispatch_bytes = 0, combine_bytes = 0;
   int64_t ok = 1, baseline_dispatch_ok = 1, baseline_combine_ok = 1;
-  int64_t shared_input = 0;    // 1: every combine read x from the shared combine-input area
-  double first_s[2] = {0, 0};  // the first (warm-up) iteration's dispatch and combine times
-  double peak_rss_mb = 0;      // after epcomm's first iteration, before the baseline's buffers exist
+  int64_t shared_input = 0;           // 1: every combine read x from the shared combine-input area
+  int64_t shared_dispatch_input = 0;  // 1: no dispatch staged a token (the copy counters say so)
+  double first_s[2] = {0, 0};         // the first (warm-up) iteration's dispatch and combine times
+  double peak_rss_mb = 0;             // after epcomm's first iteration, before the baseline's buffers exist
 };
 
 DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Inputs& in,
@@ -261,7 +268,13 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     config = Buffer::get_dispatch_config(ro.ranks);
     config->num_threads = o.threads_flag;
   }
-  const DispatchArgs da = dispatch_args(ro, order, in, config);
+  DispatchArgs da = dispatch_args(ro, order, in, config);
+  if (o.shared_dispatch_input) {  // the tokens written once into the shared area, as the layer before would
+    Tensor sx = buffer.get_dispatch_input(ro.tokens, ro.hidden, ro.dtype);
+    if (sx.nbytes()) std::memcpy(sx.data(), in.x_t.data(), sx.nbytes());
+    da.x.data = sx;
+  }
+  const Buffer::CopyCounters copies_before = buffer.copy_counters();
 
   OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
@@ -316,6 +329,9 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       if (o.warmup > 0) progress.phase(name + ": timing");
     }
   }
+  // Whether the dispatches really read x in place: none of them staged a token (counted by the library).
+  run.shared_dispatch_input =
+      buffer.copy_counters().dispatch_staged_tokens == copies_before.dispatch_staged_tokens;
   if (!with_baseline) return run;
 
   std::unique_ptr<AlltoallvBaseline> baseline = make_baseline(ro, order, bs, in, buffer);
@@ -375,7 +391,8 @@ struct OrderReport {
   int nodes = 1;
   double link_gbps = 0;
 };
-constexpr int kCounts = 7;  // per rank: rows, bytes (2), ok, baseline ok (2), shared input
+constexpr int kCounts =
+    8;  // per rank: rows, bytes (2), ok, baseline ok (2), shared inputs (combine, dispatch)
 
 const char* launcher_name(Launcher l) {
   return l == Launcher::fork ? "fork" : l == Launcher::threads ? "threads" : "mpi";
@@ -386,9 +403,10 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   const RunOptions& ro = o.run;
   const int R = ro.ranks, iters = ro.iters;
   int64_t rows = 0, dbytes = 0, cbytes = 0;
-  bool verified = true, baseline_verified[2] = {true, true}, shared = true;
+  bool verified = true, baseline_verified[2] = {true, true}, shared = true, shared_dispatch = true;
   for (int s = 0; s < R; ++s) {
     shared = shared && rep.counts[s * kCounts + 6] == 1;
+    shared_dispatch = shared_dispatch && rep.counts[s * kCounts + 7] == 1;
     rows += rep.counts[s * kCounts + 0];
     dbytes += rep.counts[s * kCounts + 1];
     cbytes += rep.counts[s * kCounts + 2];
@@ -468,6 +486,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
           .add_null("ratio_to_link");
     }
     j.add("verified", verified)
+        .add("dispatch_input", shared_dispatch ? "shared" : "private")
         .add("combine_input", shared ? "shared" : "private")
         .add("segment_bytes", segment_bytes)
         .add("first_iter_us", first_us, 1)
@@ -497,9 +516,10 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
   rep.memcpy_gbps[1] = concurrent_memcpy_gbps(bs, run.combine_bytes, o.threads);
   rep.times = all_gather_values(bs, run.times);
   if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, run.baseline_times);
-  rep.counts = all_gather_values(
-      bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
-                               run.baseline_dispatch_ok, run.baseline_combine_ok, run.shared_input});
+  rep.counts =
+      all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
+                                                 run.baseline_dispatch_ok, run.baseline_combine_ok,
+                                                 run.shared_input, run.shared_dispatch_input});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
   rep.first_s = all_gather_values(bs, std::vector<double>{run.first_s[0], run.first_s[1]});
   rep.nodes = buffer.num_nodes();
@@ -548,6 +568,11 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     bo.num_combine_input_bytes =
         (rows + rows / 4 + 64) * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
   }
+  if (o.shared_dispatch_input)  // room for the largest --tokens
+    bo.num_dispatch_input_bytes =
+        std::max<int64_t>(*std::max_element(o.tokens.begin(), o.tokens.end()) * ro.hidden *
+                              static_cast<int64_t>(dtype_size(ro.dtype)),
+                          1);
   Buffer buffer(group, bo);
   double link_gbps = 0;  // internode: the raw put bandwidth of the same transport, all ranks at once, summed
   if (buffer.num_nodes() > 1) {
@@ -650,6 +675,10 @@ int run_bench(int argc, char** argv) {
   p.add("combine-input", "shared|private", "private",
         "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (origins read the "
         "rows in place on one node), private = the dispatched tensor itself");
+  p.add("dispatch-input", "shared|private", "private",
+        "where dispatch's x (the tokens) lives: shared = Buffer::get_dispatch_input (written there once, "
+        "untimed; receivers read the rows in place on one node, nothing is staged), private = an ordinary "
+        "buffer (staged once per call)");
   p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
   p.set_epilog(kBenchEpilog);
   if (!p.parse(argc, argv)) {
@@ -667,6 +696,7 @@ int run_bench(int argc, char** argv) {
   o.threads_flag = static_cast<int>(p.integer("threads", 0, 1024));
   o.plot = p.str("plot");
   o.shared_input = p.choice("combine-input", {"shared", "private"}) == "shared";
+  o.shared_dispatch_input = p.choice("dispatch-input", {"shared", "private"}) == "shared";
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
     throw UsageError(bad_value("plot", "a file name that can be written", o.plot));
   if (!mpi) {
