@@ -69,6 +69,11 @@ struct BufferOptions {
   // Shared-memory area for dispatch inputs (get_dispatch_input); 0 = none. Equal on all ranks. On one node, a
   // dispatch whose plain x lies there stages nothing but the routing: receivers read the rows in place.
   int64_t num_dispatch_input_bytes = 0;
+  // Output memory the allocator faults in when the Buffer is created (Allocator::reserve), so that the first
+  // dispatch and combine do not pay the kernel's first-touch page faults (zeroing, well under 1 GB/s on some
+  // hosts). Size it like the outputs of one dispatch + combine: about num_tokens x num_topk x row bytes
+  // (expert_major; num_tokens x ranks reached in rank_major) + num_tokens x hidden x elem. 0 = none. Local.
+  int64_t num_output_reserve_bytes = 0;
 };
 
 // What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.

@@ -68,10 +68,20 @@ class Allocator {
  public:
   virtual ~Allocator() = default;
   virtual Tensor allocate(DType dtype, const Shape& shape) = 0;
+  // Makes `bytes` of output memory ready ahead of the first allocate() (faulted in, kept for reuse); a hint,
+  // no-op by default.
+  virtual void reserve(size_t bytes) { (void)bytes; }
 };
 
-// 64-byte aligned heap memory.
+// The library's allocator: 64-byte aligned heap memory for small tensors; large ones (>= 2 MiB) from a
+// process-wide cache of huge-page-advised mappings that keeps their pages across calls (up to 4 GiB).
 std::shared_ptr<Allocator> default_allocator();
+
+namespace detail {
+// A separate instance of the library's caching allocator (default_allocator() is one), keeping at most
+// `cache_limit_bytes` for reuse; for tests and for users who want a private cache.
+std::shared_ptr<Allocator> make_caching_allocator(size_t cache_limit_bytes);
+}  // namespace detail
 
 // Convenience: a new contiguous tensor from `alloc` (default_allocator() when null).
 Tensor empty(DType dtype, const Shape& shape, Allocator* alloc = nullptr);

@@ -43,7 +43,8 @@ py::object str_or_none(const std::optional<Tensor>& t) {
 std::unique_ptr<PyBuffer> make_buffer(std::shared_ptr<Group> group, int64_t num_nvl_bytes,
                                       int64_t num_rdma_bytes, bool low_latency_mode, bool enable_shrink,
                                       const std::string& receive_order, int ranks_per_node,
-                                      std::optional<double> timeout_s, int64_t num_combine_input_bytes) {
+                                      std::optional<double> timeout_s, int64_t num_combine_input_bytes,
+                                      int64_t num_dispatch_input_bytes, int64_t num_output_reserve_bytes) {
   BufferOptions o;
   o.num_nvl_bytes = num_nvl_bytes;
   o.num_rdma_bytes = num_rdma_bytes;
@@ -53,6 +54,8 @@ std::unique_ptr<PyBuffer> make_buffer(std::shared_ptr<Group> group, int64_t num_
   o.ranks_per_node = ranks_per_node;
   o.timeout_s = timeout_s;
   o.num_combine_input_bytes = num_combine_input_bytes;
+  o.num_dispatch_input_bytes = num_dispatch_input_bytes;
+  o.num_output_reserve_bytes = num_output_reserve_bytes;
   o.allocator = torch_allocator();
   auto b = std::make_unique<PyBuffer>();
   // Collective through the group's Python callbacks, which run on this thread: keep the GIL.
@@ -179,7 +182,26 @@ void bind_buffer(py::module_& m) {
   py::class_<PyBuffer>(m, "Buffer", "The C++ normal-mode Buffer (wrapped by epcomm.Buffer).")
       .def(py::init(&make_buffer), py::arg("group"), py::arg("num_nvl_bytes"), py::arg("num_rdma_bytes"),
            py::arg("low_latency_mode"), py::arg("enable_shrink"), py::arg("receive_order"),
-           py::arg("ranks_per_node"), py::arg("timeout_s"), py::arg("num_combine_input_bytes") = 0)
+           py::arg("ranks_per_node"), py::arg("timeout_s"), py::arg("num_combine_input_bytes") = 0,
+           py::arg("num_dispatch_input_bytes") = 0, py::arg("num_output_reserve_bytes") = 0)
+      .def_property_readonly("num_dispatch_input_bytes",
+                             [](PyBuffer& b) { return b.get().num_dispatch_input_bytes(); })
+      .def(
+          "get_dispatch_input",
+          [](PyBuffer& b, int64_t num_tokens, int64_t hidden, const std::string& dtype) {
+            return to_torch(b.get().get_dispatch_input(num_tokens, hidden, parse_dtype(dtype)));
+          },
+          py::arg("num_tokens"), py::arg("hidden"), py::arg("dtype"))
+      .def("copy_counters",
+           [](PyBuffer& b) {
+             Buffer::CopyCounters c = b.get().copy_counters();
+             py::dict d;
+             d["dispatch_staged_tokens"] = c.dispatch_staged_tokens;
+             d["dispatch_in_place_tokens"] = c.dispatch_in_place_tokens;
+             d["combine_copied_rows"] = c.combine_copied_rows;
+             d["combine_in_place_rows"] = c.combine_in_place_rows;
+             return d;
+           })
       .def_property_readonly("num_combine_input_bytes",
                              [](PyBuffer& b) { return b.get().num_combine_input_bytes(); })
       .def(

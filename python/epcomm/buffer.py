@@ -62,7 +62,8 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
                  explicitly_destroy=False, enable_shrink=False, comm=None, *, receive_order="expert_major",
-                 ranks_per_node=0, timeout_s=None, num_combine_input_bytes=0, **deepep_compat):
+                 ranks_per_node=0, timeout_s=None, num_combine_input_bytes=0, num_dispatch_input_bytes=0,
+                 num_output_reserve_bytes=0, **deepep_compat):
         if deepep_compat:
             warnings.warn(f"epcomm.Buffer: ignoring unknown arguments {sorted(deepep_compat)}", stacklevel=2)
         _check_str(receive_order, "receive_order")
@@ -82,7 +83,8 @@ class Buffer:
             self.group = g.process_group
             self._impl = _C.Buffer(g._c, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
                                    bool(enable_shrink), receive_order, int(ranks_per_node), timeout_s,
-                                   int(num_combine_input_bytes))
+                                   int(num_combine_input_bytes), int(num_dispatch_input_bytes),
+                                   int(num_output_reserve_bytes))
         _live_buffers.add(self)
 
     # ---- accessors ---------------------------------------------------------------------------------------
@@ -264,6 +266,33 @@ class Buffer:
         t = self._impl.get_combine_input(impl, name, int(hidden))
         t._epcomm_buffer = self  # the area lives in this Buffer: keep it alive with the tensor
         return t
+
+    def get_dispatch_input(self, num_tokens, hidden, dtype=torch.bfloat16):
+        """A [num_tokens, hidden] tensor of `dtype` in this rank's shared dispatch-input area
+        (num_dispatch_input_bytes at construction; InvalidUsageError when too small). Write the tokens into it
+        (or let the layer before dispatch write its output there) and pass it, or its first rows, as x of a
+        plain (unquantized) dispatch: on one node the sender then stages only the routing and every receiver
+        reads its rows in place. Same lifetime rules as get_combine_input. With DEEP_USE_MODE=alltoall this
+        is an ordinary new tensor."""
+        name = PLAIN.get(dtype)
+        if name not in ("bf16", "f16", "f32"):
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] get_dispatch_input: argument: dtype: expected "
+                                    f"torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+        if isinstance(self._impl, AllToAllStrategy):
+            return torch.empty(int(num_tokens), int(hidden), dtype=dtype)
+        t = self._impl.get_dispatch_input(int(num_tokens), int(hidden), name)
+        t._epcomm_buffer = self  # the area lives in this Buffer: keep it alive with the tensor
+        return t
+
+    def copy_counters(self):
+        """What this rank's calls copied and what its peers read in place since the Buffer was created, as a
+        dict: dispatch_staged_tokens, dispatch_in_place_tokens (shared dispatch input), combine_copied_rows,
+        combine_in_place_rows (shared combine input). Shows whether the shared areas are in use. All zero
+        with DEEP_USE_MODE=alltoall."""
+        if isinstance(self._impl, AllToAllStrategy):
+            return dict(dispatch_staged_tokens=0, dispatch_in_place_tokens=0, combine_copied_rows=0,
+                        combine_in_place_rows=0)
+        return self._impl.copy_counters()
 
     # ---- combine -------------------------------------------------------------------------------------------
 

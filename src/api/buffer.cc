@@ -37,6 +37,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                "argument: num_combine_input_bytes: expected >= 0, got ", options.num_combine_input_bytes);
   EPCOMM_CHECK(options.num_dispatch_input_bytes >= 0, pre,
                "argument: num_dispatch_input_bytes: expected >= 0, got ", options.num_dispatch_input_bytes);
+  EPCOMM_CHECK(options.num_output_reserve_bytes >= 0, pre,
+               "argument: num_output_reserve_bytes: expected >= 0, got ", options.num_output_reserve_bytes);
   EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
                " ranks are supported, got ", b.num_ranks);
   b.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
@@ -103,6 +105,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   }
   b.dispatch_input_offset = b.input_offset + page(static_cast<size_t>(b.input_bytes));
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
+  if (options.num_output_reserve_bytes > 0)
+    b.allocator->reserve(static_cast<size_t>(options.num_output_reserve_bytes));
   b.start_comm_thread();
 }
 

@@ -3,7 +3,9 @@
 
 #include <sys/mman.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -111,12 +113,21 @@ bool Tensor::is_contiguous() const {
 namespace {
 
 // Small tensors come from aligned_alloc. Large ones (>= 2 MiB) are anonymous mappings in whole 2 MiB
-// units, advised to use transparent huge pages, and recycled through a bounded cache: a fresh mapping
-// faults on first touch at well under 1 GB/s with 4 KiB pages, which would dominate a dispatch whose
-// outputs are hundreds of MiB. Recycled blocks keep their pages.
-class CachingAllocator final : public Allocator {
+// units, 2 MiB-aligned and advised to use transparent huge pages, recycled through a bounded cache: a fresh
+// mapping faults on first touch (the kernel zeroes every page; 0.4-2 GB/s on the development VM), which
+// would dominate a dispatch whose outputs are hundreds of MiB. Recycled blocks keep their pages.
+//
+// Output sizes change from call to call (routing), so a request takes the smallest cached block that fits
+// and returns the rest of it to the cache; when none fits it grows the largest cached block with mremap
+// (its pages move, only the difference is fresh) before it maps fresh memory. reserve() faults a block in
+// ahead of time (BufferOptions::num_output_reserve_bytes).
+class CachingAllocator final : public Allocator, public std::enable_shared_from_this<CachingAllocator> {
  public:
   static constexpr size_t kLarge = size_t{2} << 20;
+  explicit CachingAllocator(size_t limit) : limit_(limit) {}
+  ~CachingAllocator() override {
+    for (auto& [size, p] : free_) munmap(p, size);
+  }
 
   Tensor allocate(DType dtype, const Shape& shape) override {
     int64_t n = 1;
@@ -128,38 +139,85 @@ class CachingAllocator final : public Allocator {
       if (!p) oom(bytes, dtype, shape);
       return Tensor::wrap(p, dtype, shape, {}, std::shared_ptr<void>(p, [](void* q) { std::free(q); }));
     }
-    const size_t size = (bytes + kLarge - 1) / kLarge * kLarge;
+    const size_t size = units(bytes);
     void* p = take(size);
-    if (!p) {
-      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) oom(bytes, dtype, shape);
-      madvise(p, size, MADV_HUGEPAGE);
-    }
-    auto self = shared_from_this_();
+    if (!p) p = map_fresh(size);
+    if (!p) oom(bytes, dtype, shape);
+    auto self = shared_from_this();
     std::shared_ptr<void> owner(p, [self, size](void* q) { self->give_back(q, size); });
     return Tensor::wrap(p, dtype, shape, {}, std::move(owner));
   }
 
+  void reserve(size_t bytes) override {
+    if (bytes < kLarge) return;
+    const size_t size = units(bytes);
+    void* p = take(size);  // cached memory already has its pages
+    if (!p) {
+      p = map_fresh(size);
+      if (!p)
+        EPCOMM_THROW(SystemError, "out of memory reserving ", size, " bytes of output memory (",
+                     "BufferOptions::num_output_reserve_bytes)");
+      // Write through: the kernel faults (and zeroes) every page now, not in the first call, and every
+      // byte is written once (on the development VM a first pass over memory the kernel has just zeroed
+      // still ran several times slower than later ones; docs/performance.md).
+      std::memset(p, 0, size);
+    }
+    give_back(p, size);
+  }
+
   static std::shared_ptr<CachingAllocator> instance() {
-    static std::shared_ptr<CachingAllocator> a(new CachingAllocator());
+    static std::shared_ptr<CachingAllocator> a = std::make_shared<CachingAllocator>(size_t{4} << 30);
     return a;
   }
 
  private:
-  std::shared_ptr<CachingAllocator> shared_from_this_() { return instance(); }
+  static size_t units(size_t bytes) { return (bytes + kLarge - 1) / kLarge * kLarge; }
 
   [[noreturn]] static void oom(size_t bytes, DType dtype, const Shape& shape) {
     EPCOMM_THROW(SystemError, "out of memory allocating ", bytes, " bytes for a ", dtype_name(dtype),
                  shape_str(shape), " tensor");
   }
 
+  // A 2 MiB-aligned anonymous mapping of `size` bytes (so that every unit can be a huge page), or null.
+  static void* map_fresh(size_t size) {
+    void* raw = mmap(nullptr, size + kLarge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(raw), b = (a + kLarge - 1) / kLarge * kLarge;
+    if (b > a) munmap(raw, b - a);
+    if (b + size < a + size + kLarge) munmap(reinterpret_cast<void*>(b + size), a + kLarge - b);
+    void* p = reinterpret_cast<void*>(b);
+    madvise(p, size, MADV_HUGEPAGE);
+    return p;
+  }
+
   void* take(size_t size) {
-    std::lock_guard<std::mutex> lk(m_);
-    auto it = free_.find(size);
-    if (it == free_.end()) return nullptr;
-    void* p = it->second;
+    std::unique_lock<std::mutex> lk(m_);
+    if (free_.empty()) return nullptr;
+    auto it = free_.lower_bound(size);
+    if (it != free_.end()) {  // best fit; the rest stays cached
+      const size_t have = it->first;
+      auto* p = static_cast<char*>(it->second);
+      free_.erase(it);
+      cached_ -= have;
+      if (have > size) {
+        free_.emplace(have - size, p + size);
+        cached_ += have - size;
+      }
+      return p;
+    }
+    // None fits: grow the largest cached block. Its pages move with it; only the difference faults.
+    it = std::prev(free_.end());
+    const size_t have = it->first;
+    void* q = it->second;
     free_.erase(it);
-    cached_ -= size;
+    cached_ -= have;
+    lk.unlock();
+    void* p = mremap(q, have, size, MREMAP_MAYMOVE);
+    if (p == MAP_FAILED) {
+      munmap(q, have);
+      return nullptr;
+    }
+    madvise(p, size, MADV_HUGEPAGE);
     return p;
   }
 
@@ -176,9 +234,9 @@ class CachingAllocator final : public Allocator {
   }
 
   std::mutex m_;
-  std::multimap<size_t, void*> free_;
+  std::multimap<size_t, void*> free_;  // size -> start of a cached block
   size_t cached_ = 0;
-  size_t limit_ = size_t{4} << 30;  // bytes kept for reuse at most
+  size_t limit_;  // bytes kept for reuse at most
 };
 
 }  // namespace
@@ -186,6 +244,12 @@ class CachingAllocator final : public Allocator {
 std::shared_ptr<Allocator> default_allocator() {
   return CachingAllocator::instance();
 }
+
+namespace detail {
+std::shared_ptr<Allocator> make_caching_allocator(size_t cache_limit_bytes) {
+  return std::make_shared<CachingAllocator>(cache_limit_bytes);
+}
+}  // namespace detail
 
 Tensor empty(DType dtype, const Shape& shape, Allocator* alloc) {
   if (!alloc) alloc = default_allocator().get();

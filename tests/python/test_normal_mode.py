@@ -349,3 +349,53 @@ def shared_input_job(rank, world):
 
 def test_combine_shared_input_2_ranks():
     spawn(shared_input_job, 2)
+
+
+def shared_dispatch_input_job(rank, world):
+    """dispatch from Buffer.get_dispatch_input equals dispatch from a private x, bit for bit, in both modes
+    and orders, fresh and cached; the copy counters show that no token was staged; outputs are large
+    enough to come from the caching allocator (>= 2 MiB) and stay valid after the Buffer reuses memory."""
+    E, K, H, T = 4 * world, 3, 4096, 300 + rank
+    g = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
+    w = torch.rand(T, K, generator=g)
+    for mode in ("shm", "alltoall"):
+        use_mode(mode)
+        buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_dispatch_input_bytes=(300 + world) * H * 2,
+                            num_output_reserve_bytes=64 << 20)
+        for order in ORDERS:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
+            args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=ids, topk_weights=w, receive_order=order)
+            a = buf.dispatch(x, **args)
+            sx = buf.get_dispatch_input(T, H)
+            check(sx.shape == (T, H) and sx.dtype == torch.bfloat16, f"shape {tuple(sx.shape)}")
+            sx.copy_(x)
+            before = buf.copy_counters()
+            b = buf.dispatch(sx, **args)
+            cb = buf.dispatch(sx, handle=b[4])[0]
+            after = buf.copy_counters()
+            for i in (0, 1, 2):
+                check(torch.equal(a[i].view(torch.int16) if i == 0 else a[i], b[i].view(torch.int16) if i == 0
+                                  else b[i]), f"{mode} {order}: output {i} differs")
+            check(torch.equal(cb.view(torch.int16), a[0].view(torch.int16)), f"{mode} {order}: cached differs")
+            if mode == "shm":
+                check(after["dispatch_in_place_tokens"] - before["dispatch_in_place_tokens"] == 2 * T,
+                      f"in place: {before} -> {after}")
+                check(after["dispatch_staged_tokens"] == before["dispatch_staged_tokens"],
+                      f"staged: {before} -> {after}")
+                check(buf.get_dispatch_input(T, H).data_ptr() == sx.data_ptr(), "the area moved")
+        buf.destroy()
+    use_mode("shm")
+    small = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20)
+    try:
+        small.get_dispatch_input(T, H)
+        check(False, "no error without a dispatch-input area")
+    except epcomm.InvalidUsageError as e:
+        check("num_dispatch_input_bytes = 0" in str(e), f"message: {e}")
+    small.destroy()
+
+
+def test_dispatch_shared_input_2_ranks():
+    spawn(shared_dispatch_input_job, 2)

@@ -59,7 +59,8 @@ const char* kBenchEpilog =
     "bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
     "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
-    "verified, dispatch_input, combine_input, segment_bytes, first_iter_us, first_iter_ratio, peak_rss_mb,\n"
+    "verified, dispatch_input, combine_input, segment_bytes, output_reserve_bytes, first_iter_us, "
+    "first_iter_ratio, peak_rss_mb,\n"
     "peak_rss_mb_per_rank.\n\n"
     "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
     "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call.\n\n"
@@ -127,6 +128,7 @@ struct BenchOptions {
   std::string plot;             // --plot FILE.svg, or ""
   bool shared_input = false;    // --combine-input shared: combine reads x from Buffer::get_combine_input
   bool shared_dispatch_input = false;  // --dispatch-input shared: dispatch reads x from get_dispatch_input
+  int64_t output_reserve = -1;         // --output-reserve: BufferOptions::num_output_reserve_bytes; -1 = auto
 };
 
 // The baseline exists for plain rows under MPI; the reason it is null otherwise.
@@ -489,6 +491,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("dispatch_input", shared_dispatch ? "shared" : "private")
         .add("combine_input", shared ? "shared" : "private")
         .add("segment_bytes", segment_bytes)
+        .add("output_reserve_bytes", o.output_reserve)
         .add("first_iter_us", first_us, 1)
         .add("first_iter_ratio", tm.median > 0 ? first_us / tm.median : 0.0, 2)
         .add("peak_rss_mb", peak, 1)
@@ -568,6 +571,15 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     bo.num_combine_input_bytes =
         (rows + rows / 4 + 64) * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
   }
+  if (o.output_reserve < 0) {  // auto: the outputs of one dispatch + combine at the largest --tokens (+10%)
+    const int64_t T = *std::max_element(o.tokens.begin(), o.tokens.end());
+    const int64_t rows = T * ro.topk + T * ro.topk / 10 + 64,
+                  elem = static_cast<int64_t>(dtype_size(ro.dtype));
+    o.output_reserve =
+        rows * (std::max<int64_t>(ro.dispatch_row_bytes(), ro.hidden * elem) + ro.topk * 12 + 12) +
+        T * (ro.hidden * elem + ro.topk * 4);
+  }
+  bo.num_output_reserve_bytes = o.output_reserve;
   if (o.shared_dispatch_input)  // room for the largest --tokens
     bo.num_dispatch_input_bytes =
         std::max<int64_t>(*std::max_element(o.tokens.begin(), o.tokens.end()) * ro.hidden *
@@ -679,6 +691,10 @@ int run_bench(int argc, char** argv) {
         "where dispatch's x (the tokens) lives: shared = Buffer::get_dispatch_input (written there once, "
         "untimed; receivers read the rows in place on one node, nothing is staged), private = an ordinary "
         "buffer (staged once per call)");
+  p.add("output-reserve", "auto|B", "auto",
+        "BufferOptions::num_output_reserve_bytes: output memory faulted in when the Buffer is created, so "
+        "that the first call does not pay first-touch page faults; auto = the outputs of one dispatch and "
+        "combine at the largest --tokens (+10%), 0 = none");
   p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
   p.set_epilog(kBenchEpilog);
   if (!p.parse(argc, argv)) {
@@ -697,6 +713,7 @@ int run_bench(int argc, char** argv) {
   o.plot = p.str("plot");
   o.shared_input = p.choice("combine-input", {"shared", "private"}) == "shared";
   o.shared_dispatch_input = p.choice("dispatch-input", {"shared", "private"}) == "shared";
+  if (p.str("output-reserve") != "auto") o.output_reserve = p.bytes("output-reserve");
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
     throw UsageError(bad_value("plot", "a file name that can be written", o.plot));
   if (!mpi) {
