@@ -137,7 +137,7 @@ void torch_dispatch_outputs(moe::DispatchV2Args& a) {
     if (!ok) return;
   }
   auto zeros = [](DType d, at::IntArrayRef shape, const char* what) {
-    at::Tensor t = at::zeros(shape, at::TensorOptions().dtype(torch_dtype(d)).device(at::kCPU));
+    at::Tensor t = torch_empty(shape, torch_dtype(d)).zero_();
     const bool one_byte_format = d == DType::f8e4m3 || d == DType::f8e5m2 || d == DType::e8m0;
     return from_torch(t, what, one_byte_format ? std::optional<std::string>(dtype_name(d)) : std::nullopt);
   };
@@ -235,8 +235,7 @@ std::optional<Tensor> torch_out(const Kwargs& k, const Tensor& expand_x, at::Int
   if (expand_x.dtype() != DType::bf16 && expand_x.dtype() != DType::f16) return std::nullopt;
   for (int64_t s : shape)
     if (s < 0) return std::nullopt;
-  at::Tensor t = at::zeros(
-      shape, at::TensorOptions().dtype(type.value_or(torch_dtype(expand_x.dtype()))).device(at::kCPU));
+  at::Tensor t = torch_empty(shape, type.value_or(torch_dtype(expand_x.dtype()))).zero_();
   return from_torch(t, what);
 }
 

@@ -22,36 +22,32 @@ std::shared_ptr<void> own(at::Tensor t) {
   throw Error(ErrorCode::InvalidUsage, message);
 }
 
-// Outputs are torch tensors. Large ones (>= 2 MiB) take their memory from epcomm's caching allocator
-// (default_allocator()) and hand it back when torch frees them: torch's CPU allocator maps and unmaps such
-// sizes on every call, so every dispatch of hundreds of MiB would fault all its pages again (measured: a
-// 470 MB dispatch took 2-3 s instead of 35-60 ms). Small ones come from torch.
+// Outputs are torch tensors (torch_empty).
 class TorchAllocator final : public Allocator {
  public:
   Tensor allocate(DType dtype, const Shape& shape) override {
-    const auto options = at::TensorOptions().dtype(torch_dtype(dtype)).device(at::kCPU);
-    int64_t n = 1;
-    for (int64_t s : shape) n *= s;
-    at::Tensor t;
-    if (static_cast<size_t>(n) * dtype_size(dtype) >= kCached) {
-      Tensor block = cache_->allocate(dtype, shape);
-      std::shared_ptr<void> keep = block.owner();
-      t = at::from_blob(
-          block.data(), shape, [keep](void*) mutable { keep.reset(); }, options);
-    } else {
-      t = at::empty(shape, options);
-    }
+    at::Tensor t = torch_empty(shape, torch_dtype(dtype));
     void* data = t.data_ptr();
     return Tensor::wrap(data, dtype, shape, {}, own(std::move(t)));
   }
-  void reserve(size_t bytes) override { cache_->reserve(bytes); }
-
- private:
-  static constexpr size_t kCached = size_t{2} << 20;
-  std::shared_ptr<Allocator> cache_ = default_allocator();
+  void reserve(size_t bytes) override { default_allocator()->reserve(bytes); }
 };
 
 }  // namespace
+
+at::Tensor torch_empty(at::IntArrayRef shape, at::ScalarType type) {
+  // Measured: a 470 MB dispatch output from at::empty made every call fault it again (2-3 s per dispatch
+  // instead of 46-70 ms).
+  static const std::shared_ptr<Allocator> cache = default_allocator();
+  const auto options = at::TensorOptions().dtype(type).device(at::kCPU);
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  if (static_cast<size_t>(n) * at::elementSize(type) < (size_t{2} << 20)) return at::empty(shape, options);
+  Tensor block = cache->allocate(DType::u8, {n * static_cast<int64_t>(at::elementSize(type))});
+  std::shared_ptr<void> keep = block.owner();
+  return at::from_blob(
+      block.data(), shape, [keep](void*) mutable { keep.reset(); }, options);
+}
 
 at::ScalarType torch_dtype(DType dtype) {
   switch (dtype) {

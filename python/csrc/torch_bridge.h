@@ -29,7 +29,12 @@ std::optional<Tensor> from_torch(const std::optional<at::Tensor>& t, const char*
 // a tensor aliasing it that keeps the owner alive. Never copies.
 at::Tensor to_torch(const Tensor& t);
 
-// Allocates outputs with at::empty. Thread-safe and GIL-free (it runs on Buffers' communication threads).
+// A new CPU tensor: 2 MiB or more over epcomm's caching allocator (memory whose pages stay across calls;
+// torch's CPU allocator unmaps such sizes on free, so every call would fault them in again), smaller ones
+// from at::empty. Uninitialized. Thread-safe and GIL-free.
+at::Tensor torch_empty(at::IntArrayRef shape, at::ScalarType type);
+
+// Allocates outputs with torch_empty. Thread-safe and GIL-free (it runs on Buffers' communication threads).
 std::shared_ptr<Allocator> torch_allocator();
 
 }  // namespace epcomm::python
