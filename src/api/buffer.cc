@@ -113,9 +113,12 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
 // Internode (spec §6): equal node sizes, a shared-memory transport over this node's ranks whose segments
 // also hold one lane per node (num_rdma_bytes in all), and the network to our rail peers on the other nodes.
 void Buffer::Impl::setup_internode(const std::string& pre, size_t extra_bytes) {
-  detail::InternodeParts parts =
-      detail::setup_internode(*group, node_of_rank, static_cast<size_t>(nvl_bytes), options.num_rdma_bytes,
-                              "num_rdma_bytes", timeout_s, pre, "rank", extra_bytes);
+  detail::InternodeRequest req;
+  req.segment_bytes = static_cast<size_t>(nvl_bytes);
+  req.rdma_bytes = options.num_rdma_bytes;
+  req.timeout_s = timeout_s;
+  req.extra_bytes = extra_bytes;
+  detail::InternodeParts parts = detail::setup_internode(*group, node_of_rank, req, pre);
   input_offset = parts.extra_offset;
   inter = std::move(parts.inter);
   node_bootstrap = std::move(parts.node_bootstrap);

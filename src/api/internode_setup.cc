@@ -30,9 +30,11 @@ std::vector<int> node_partition(Group& group, int ranks_per_node, const std::str
   return node_of;
 }
 
-InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_rank, size_t segment_bytes,
-                               int64_t rdma_bytes, const char* rdma_name, double timeout_s,
-                               const std::string& pre, const std::string& peer_word, size_t extra_bytes) {
+InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_rank,
+                               const InternodeRequest& req, const std::string& pre) {
+  const size_t segment_bytes = req.segment_bytes, extra_bytes = req.extra_bytes;
+  const int64_t rdma_bytes = req.rdma_bytes;
+  const char* rdma_name = req.rdma_name;
   InternodeParts parts;
   const int R = group.size(), rank = group.rank();
   const int M = *std::max_element(node_of_rank.begin(), node_of_rank.end()) + 1;
@@ -82,8 +84,8 @@ InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_ran
     if (n != t.node()) no.peers.push_back(t.rail(n));
   no.region = parts.transport->segment(t.local_index[rank]) + in.lanes_offset;
   no.region_bytes = region;
-  no.timeout_s = timeout_s;
-  no.peer_word = peer_word;
+  no.timeout_s = req.timeout_s;
+  no.peer_word = req.peer_word;
   Transport* tp = parts.transport.get();
   // An arrival may concern any rank of this node (a mirrored header, window or failure): wake them all.
   no.on_arrival = [tp](int) {

@@ -29,14 +29,19 @@ struct InternodeParts {
   size_t extra_offset = 0;                    // where the segment's `extra_bytes` start (after the lanes)
 };
 
-// Collective over the group. `node_of_rank` from node_partition (at least two nodes); `rdma_bytes` is the
-// lanes' total (0 = 64 MiB), split evenly across the nodes; `rdma_name` names that size in errors
-// ("num_rdma_bytes"); `peer_word` names peers in network errors ("ep rank"); `extra_bytes` more follow the
-// lanes in every segment (a Buffer's combine-input area). Throws InvalidUsage for unequal node sizes or lanes
-// below the minimum.
-InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_rank, size_t segment_bytes,
-                               int64_t rdma_bytes, const char* rdma_name, double timeout_s,
-                               const std::string& pre, const std::string& peer_word = "rank",
-                               size_t extra_bytes = 0);
+// What a communicator asks of setup_internode.
+struct InternodeRequest {
+  size_t segment_bytes = 0;                  // the engine's own bytes of every segment (before the lanes)
+  int64_t rdma_bytes = 0;                    // the lanes' total, split evenly across the nodes; 0 = 64 MiB
+  const char* rdma_name = "num_rdma_bytes";  // names that size in errors
+  double timeout_s = 100;                    // deadline of every network wait
+  std::string peer_word = "rank";            // names peers in network errors ("ep rank" for group contexts)
+  size_t extra_bytes = 0;                    // more bytes after the lanes (a Buffer's shared input areas)
+};
+
+// Collective over the group. `node_of_rank` from node_partition (at least two nodes); `pre` starts the
+// error messages. Throws InvalidUsage for unequal node sizes or lanes below the minimum.
+InternodeParts setup_internode(Group& group, const std::vector<int>& node_of_rank,
+                               const InternodeRequest& req, const std::string& pre);
 
 }  // namespace epcomm::detail

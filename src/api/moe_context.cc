@@ -54,9 +54,12 @@ void create_context(Group& group, const GroupContextOptions& options) {
   ctx->size = group.size();
   ctx->timeout_s = timeout;
   if (*std::max_element(node_of.begin(), node_of.end()) > 0) {
-    detail::InternodeParts parts =
-        detail::setup_internode(group, node_of, static_cast<size_t>(bytes), options.num_rdma_bytes,
-                                "num_rdma_bytes", timeout, pre, "ep rank");
+    detail::InternodeRequest req;
+    req.segment_bytes = static_cast<size_t>(bytes);
+    req.rdma_bytes = options.num_rdma_bytes;
+    req.timeout_s = timeout;
+    req.peer_word = "ep rank";
+    detail::InternodeParts parts = detail::setup_internode(group, node_of, req, pre);
     ctx->inter = std::move(parts.inter);
     ctx->node_bootstrap = std::move(parts.node_bootstrap);
     ctx->transport = std::move(parts.transport);

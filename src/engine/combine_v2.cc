@@ -263,10 +263,7 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
   std::vector<std::vector<int32_t>> px_head(M);
   std::vector<std::vector<Network::Piece>> px_pieces(M);
   auto returns_to = [&](int d, int o) { return peer_counts(ctx, d)[count_origin(W, o)] > 0; };
-  struct Drain {
-    const OpContext& ctx;
-    ~Drain() { ctx.drain_writes(); }
-  } drain{ctx};
+  const DrainOnExit drain(ctx);  // after the buffers the network reads
   if (inter) {
     const Topology& topo = inter->topo;
     for (int s = 0; s < W; ++s)

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include "engine/reduce_block.h"
 #include "epcomm/quant_element.h"
 
 namespace epcomm::engine {
@@ -82,24 +83,6 @@ void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, in
 
 namespace {
 
-struct Bf16 {
-  using T = uint16_t;
-  static float load(T v) { return bf16_to_float(v); }
-  static T store(float f) { return to_bf16_bits(f); }
-};
-struct F16 {
-  using T = uint16_t;
-  static float load(T v) { return fp16_to_float(v); }
-  static T store(float f) { return to_fp16_bits(f); }
-};
-struct F32 {
-  using T = float;
-  static float load(T v) { return v; }
-  static T store(float f) {
-    return f != f ? std::bit_cast<float>(0x7FC00000u) : f;
-  }  // canonical NaN (quant.md §1)
-};
-
 constexpr int64_t kBlock = 256;  // fp32 partial sums of one block stay in L1
 
 // Portable loop, also the tail (fewer than kVecBlock elements) of the vector kernels below.
@@ -107,32 +90,11 @@ template <typename Fmt>
 [[gnu::always_inline]] inline void reduce_block_t(const uint8_t* const* rows, const float* weights, int n,
                                                   int64_t c0, int64_t c1, const uint8_t* bias1,
                                                   const uint8_t* bias2, uint8_t* out) {
-  using T = typename Fmt::T;
-  T* o = reinterpret_cast<T*>(out);
-  const T* b1 = reinterpret_cast<const T*>(bias1);
-  const T* b2 = reinterpret_cast<const T*>(bias2);
   alignas(64) float p[kBlock];
   for (; c0 < c1; c0 += kBlock) {
     const int64_t m = std::min(kBlock, c1 - c0);
-    for (int64_t i = 0; i < m; ++i) p[i] = 0.0f;
-    for (int j = 0; j < n; ++j) {
-      const T* x = reinterpret_cast<const T*>(rows[j]) + c0;
-      if (weights) {
-        const float w = weights[j];
-        for (int64_t i = 0; i < m; ++i) {
-          float c = w * Fmt::load(x[i]);
-          p[i] = p[i] + c;
-        }
-      } else {
-        for (int64_t i = 0; i < m; ++i) p[i] = p[i] + Fmt::load(x[i]);
-      }
-    }
-    for (int64_t i = 0; i < m; ++i) {
-      float acc = 0.0f + p[i];
-      if (b1) acc = acc + Fmt::load(b1[c0 + i]);
-      if (b2) acc = acc + Fmt::load(b2[c0 + i]);
-      o[c0 + i] = Fmt::store(acc);
-    }
+    accumulate_block<Fmt>(rows, weights, n, c0, m, p);
+    for (int64_t i = 0; i < m; ++i) finish_element<Fmt>(0.0f + p[i], c0 + i, bias1, bias2, out);
   }
 }
 

@@ -171,4 +171,18 @@ class OpContext {
   Internode* inter_ = nullptr;
 };
 
+// Drains the network's writes (OpContext::drain_writes) when it goes out of scope: declare it after the
+// buffers those writes read, so that it runs before they go. Classes that own such buffers drain in their
+// destructor's body instead (it runs before any member is destroyed).
+class DrainOnExit {
+ public:
+  explicit DrainOnExit(const OpContext& ctx) : ctx_(ctx) {}
+  ~DrainOnExit() { ctx_.drain_writes(); }
+  DrainOnExit(const DrainOnExit&) = delete;
+  DrainOnExit& operator=(const DrainOnExit&) = delete;
+
+ private:
+  const OpContext& ctx_;
+};
+
 }  // namespace epcomm::engine

@@ -3,46 +3,30 @@
 // node order, the biases and the one rounding. Element-wise IEEE f32, no FMA, fixed order: the result does
 // not depend on vector width.
 #include <algorithm>
-#include <bit>
 
 #include "engine/kernels.h"
-#include "epcomm/quant_element.h"
+#include "engine/reduce_block.h"
 
 namespace epcomm::engine {
 namespace {
 
 constexpr int64_t kBlock = 256;
 
-template <typename Load>
+template <typename Fmt>
 [[gnu::always_inline]] inline void partial_t(const uint8_t* const* rows, const float* weights, int n,
-                                             int64_t hidden, float* out, Load load) {
-  for (int64_t c0 = 0; c0 < hidden; c0 += kBlock) {
-    const int64_t m = std::min(kBlock, hidden - c0);
-    float* p = out + c0;
-    for (int64_t i = 0; i < m; ++i) p[i] = 0.0f;
-    for (int j = 0; j < n; ++j) {
-      const uint8_t* x = rows[j];
-      if (weights) {
-        const float w = weights[j];
-        for (int64_t i = 0; i < m; ++i) {
-          float c = w * load(x, c0 + i);
-          p[i] = p[i] + c;
-        }
-      } else {
-        for (int64_t i = 0; i < m; ++i) p[i] = p[i] + load(x, c0 + i);
-      }
-    }
-  }
+                                             int64_t hidden, float* out) {
+  for (int64_t c0 = 0; c0 < hidden; c0 += kBlock)
+    accumulate_block<Fmt>(rows, weights, n, c0, std::min(kBlock, hidden - c0), out + c0);
 }
 
-float load_bf16(const uint8_t* x, int64_t i) {
-  return bf16_to_float(reinterpret_cast<const uint16_t*>(x)[i]);
-}
-float load_f16(const uint8_t* x, int64_t i) {
-  return fp16_to_float(reinterpret_cast<const uint16_t*>(x)[i]);
-}
-float load_f32(const uint8_t* x, int64_t i) {
-  return reinterpret_cast<const float*>(x)[i];
+template <typename Fmt>
+[[gnu::always_inline]] inline void finish_t(const float* const* parts, int n, int64_t hidden,
+                                            const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
+  for (int64_t i = 0; i < hidden; ++i) {
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) acc = acc + parts[j][i];
+    finish_element<Fmt>(acc, i, bias1, bias2, out);
+  }
 }
 
 }  // namespace
@@ -54,11 +38,11 @@ void reduce_partial(DType dt, const uint8_t* const* rows, const float* weights, 
                     float* out) {
   switch (dt) {
     case DType::bf16:
-      return partial_t(rows, weights, n, hidden, out, load_bf16);
+      return partial_t<Bf16>(rows, weights, n, hidden, out);
     case DType::f16:
-      return partial_t(rows, weights, n, hidden, out, load_f16);
+      return partial_t<F16>(rows, weights, n, hidden, out);
     default:
-      return partial_t(rows, weights, n, hidden, out, load_f32);
+      return partial_t<F32>(rows, weights, n, hidden, out);
   }
 }
 
@@ -67,28 +51,13 @@ void reduce_partial(DType dt, const uint8_t* const* rows, const float* weights, 
 #endif
 void finish_partials(DType dt, const float* const* parts, int n, int64_t hidden, const uint8_t* bias1,
                      const uint8_t* bias2, uint8_t* out) {
-  for (int64_t i = 0; i < hidden; ++i) {
-    float acc = 0.0f;
-    for (int j = 0; j < n; ++j) acc = acc + parts[j][i];
-    switch (dt) {
-      case DType::bf16: {
-        if (bias1) acc = acc + load_bf16(bias1, i);
-        if (bias2) acc = acc + load_bf16(bias2, i);
-        reinterpret_cast<uint16_t*>(out)[i] = to_bf16_bits(acc);
-        break;
-      }
-      case DType::f16: {
-        if (bias1) acc = acc + load_f16(bias1, i);
-        if (bias2) acc = acc + load_f16(bias2, i);
-        reinterpret_cast<uint16_t*>(out)[i] = to_fp16_bits(acc);
-        break;
-      }
-      default: {
-        if (bias1) acc = acc + load_f32(bias1, i);
-        if (bias2) acc = acc + load_f32(bias2, i);
-        reinterpret_cast<float*>(out)[i] = acc != acc ? std::bit_cast<float>(0x7FC00000u) : acc;
-      }
-    }
+  switch (dt) {
+    case DType::bf16:
+      return finish_t<Bf16>(parts, n, hidden, bias1, bias2, out);
+    case DType::f16:
+      return finish_t<F16>(parts, n, hidden, bias1, bias2, out);
+    default:
+      return finish_t<F32>(parts, n, hidden, bias1, bias2, out);
   }
 }
 
