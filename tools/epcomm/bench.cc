@@ -571,9 +571,9 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     bo.num_combine_input_bytes =
         (rows + rows / 4 + 64) * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
   }
-  if (o.output_reserve < 0) {  // auto: the outputs of one dispatch + combine at the largest --tokens (+10%)
+  if (o.output_reserve < 0) {  // auto: the outputs of one dispatch + combine at the largest --tokens (+2%)
     const int64_t T = *std::max_element(o.tokens.begin(), o.tokens.end());
-    const int64_t rows = T * ro.topk + T * ro.topk / 10 + 64,
+    const int64_t rows = T * ro.topk + T * ro.topk / 50 + 64,
                   elem = static_cast<int64_t>(dtype_size(ro.dtype));
     o.output_reserve =
         rows * (std::max<int64_t>(ro.dispatch_row_bytes(), ro.hidden * elem) + ro.topk * 12 + 12) +
@@ -694,7 +694,7 @@ int run_bench(int argc, char** argv) {
   p.add("output-reserve", "auto|B", "auto",
         "BufferOptions::num_output_reserve_bytes: output memory faulted in when the Buffer is created, so "
         "that the first call does not pay first-touch page faults; auto = the outputs of one dispatch and "
-        "combine at the largest --tokens (+10%), 0 = none");
+        "combine at the largest --tokens (+2% rows), 0 = none");
   p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
   p.set_epilog(kBenchEpilog);
   if (!p.parse(argc, argv)) {
