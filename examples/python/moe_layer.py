@@ -2,6 +2,11 @@
 
     PYTHONPATH=build/python python3 examples/python/moe_layer.py            # 4 local processes
     PYTHONPATH=build/python torchrun --nproc-per-node 4 examples/python/moe_layer.py
+    PYTHONPATH=build/python python3 examples/python/moe_layer.py --zero-copy
+
+With --zero-copy the tokens are written into the Buffer's shared dispatch-input area and the experts write
+their outputs straight into its shared combine-input area: on one host the peers then read both in place
+(no staging copy in dispatch, no window copy in combine), with the same results.
 
 Every rank holds `tokens` tokens and `experts / ranks` experts (SwiGLU MLPs). Forward: a softmax router picks
 each token's top-k experts; dispatch sends every (token, expert) pair to the expert's rank, grouped by local
@@ -54,9 +59,9 @@ class Router(torch.nn.Module):
 class MoELayer(torch.nn.Module):
     """The expert-parallel layer: router, dispatch, local experts, combine."""
 
-    def __init__(self, buffer, hidden, ffn, experts, topk):
+    def __init__(self, buffer, hidden, ffn, experts, topk, zero_copy=False):
         super().__init__()
-        self.buffer, self.num_experts = buffer, experts
+        self.buffer, self.num_experts, self.zero_copy = buffer, experts, zero_copy
         local = experts // buffer.num_ranks
         self.router = Router(hidden, experts, topk)
         self.experts = Experts(experts, buffer.rank * local, local, hidden, ffn)
@@ -65,10 +70,14 @@ class MoELayer(torch.nn.Module):
     def forward(self, x):
         ids, weights = self.router(x)
         _, _, per_expert, _, _ = self.buffer.get_dispatch_layout(ids, self.num_experts)
+        if self.zero_copy:  # the layer before would write its output here directly
+            shared_x = self.buffer.get_dispatch_input(x.shape[0], x.shape[1], x.dtype)
+            shared_x.copy_(x)
+            x = shared_x
         recv_x, _, _, counts, handle, _ = self.buffer.dispatch(
             x, topk_idx=ids, topk_weights=weights, num_tokens_per_expert=per_expert)
         # Rows arrive grouped by local expert; `counts` are the group sizes (a grouped GEMM's input).
-        y = torch.empty_like(recv_x)
+        y = self.buffer.get_combine_input(handle, recv_x.dtype) if self.zero_copy else torch.empty_like(recv_x)
         begin = 0
         for j, n in enumerate(counts):
             rows = recv_x[begin:begin + n].float()
@@ -93,8 +102,13 @@ def dense_reference(x, ids, weights, experts, hidden, ffn):
 
 def run(rank, world, args):
     torch.set_num_threads(1)
-    buffer = epcomm.Buffer(dist.group.WORLD)
-    layer = MoELayer(buffer, args.hidden, args.ffn, args.experts, args.topk)
+    if args.zero_copy:  # room for every rank's tokens (dispatch) and for all the rows a rank can receive
+        row = args.hidden * 2
+        buffer = epcomm.Buffer(dist.group.WORLD, num_dispatch_input_bytes=args.tokens * row,
+                               num_combine_input_bytes=world * args.tokens * args.topk * row)
+    else:
+        buffer = epcomm.Buffer(dist.group.WORLD)
+    layer = MoELayer(buffer, args.hidden, args.ffn, args.experts, args.topk, args.zero_copy)
     g = torch.Generator().manual_seed(100 + rank)
     tokens = args.tokens if rank % 3 else args.tokens // 2  # ranks may hold different token counts
     x = torch.randn(tokens, args.hidden, generator=g).to(torch.bfloat16)
@@ -103,6 +117,11 @@ def run(rank, world, args):
     err = (out.float() - ref.float()).abs().max().item() if tokens else 0.0
     scale = ref.float().abs().max().item() if tokens else 1.0
     ok = err <= 0.02 * max(scale, 1.0)
+    if args.zero_copy and buffer.mode == "shm":  # the peers really read in place: nothing staged or copied
+        c = buffer.copy_counters()
+        if c["dispatch_staged_tokens"] or c["combine_copied_rows"]:
+            print(f"rank {rank}: expected reads in place, copy counters say {c}")
+            ok = False
     errors = [None] * world
     dist.all_gather_object(errors, (tokens, err, scale, ok))
     if rank == 0:
@@ -131,6 +150,8 @@ def main():
     p.add_argument("--ffn", type=int, default=128)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--zero-copy", action="store_true",
+                   help="tokens and expert outputs in the Buffer's shared input areas (read in place by the peers)")
     args = p.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         dist.init_process_group("gloo")
