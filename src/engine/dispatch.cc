@@ -156,7 +156,11 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
       } else if (f.quantize) {
         quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
       } else {
-        copy_row(dst, x, f.data_row_bytes);
+        // Plain stores into a cache-sized window: the receivers read it from the shared cache.
+        if (geo.cache_resident)
+          std::memcpy(dst, x, f.data_row_bytes);
+        else
+          copy_row(dst, x, f.data_row_bytes);
         if (in.scales)
           gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
                         f.scale_cols, dtype_size(f.scale_dtype));

@@ -51,13 +51,18 @@ quant::Fp8Format fp8_of(DType d) {
 }
 
 // Writes token t's payload for scale row `row`: data_bytes of data, then scale_bytes of scales (§5).
-void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, std::vector<float>& scratch) {
+// `plain`: the window is cache-sized (DispatchGeometry::cache_resident): no streaming stores.
+void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, std::vector<float>& scratch,
+                  bool plain) {
   const RowFormat& f = in.fmt;
   const uint8_t* x = in.x + static_cast<size_t>(t) * in.x_row_bytes;
   const int64_t H = f.H;
   switch (f.quant_mode) {
     case 0:
-      copy_row(dst, x, f.data_bytes);
+      if (plain)
+        std::memcpy(dst, x, f.data_bytes);
+      else
+        copy_row(dst, x, f.data_bytes);
       return;
     case 1:
       quant::int8_static(f.x_dtype, x, H, smoothing_for(in, row), reinterpret_cast<int8_t*>(dst));
@@ -184,14 +189,16 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
       std::memcpy(meta + 8 * K, &act, 4);
       if (!act) continue;
       if (my_payloads == 1) {
-        make_payload(in, t, 0, rec, scratch);
+        make_payload(in, t, 0, rec, scratch, mine.geo.cache_resident);
         continue;
       }
       for (int k = 0; k < K; ++k)
         if (ids[k] >= 0)
-          make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch);
+          make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch,
+                       mine.geo.cache_resident);
       for (int s = 0; s < S; ++s)
-        make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch);
+        make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch,
+                     mine.geo.cache_resident);
     }
   };
   const uint64_t seq = ctx.seq();

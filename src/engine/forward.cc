@@ -9,6 +9,11 @@ namespace epcomm::engine {
 DispatchGeometry window_geometry(const OpContext& ctx, size_t row_bytes, size_t meta, size_t& lane_half,
                                  size_t& net_meta) {
   DispatchGeometry g = dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta);
+  if (!ctx.internode()) {  // one node: cache-sized windows (across nodes the lanes set the size)
+    const int64_t cap = static_cast<int64_t>(kDispatchWindowBytes / (g.row_stride + g.meta_stride));
+    g.window = std::min(g.window, std::max<int64_t>(cap, 1));
+    g.cache_resident = cap >= 1;
+  }
   lane_half = 0;
   net_meta = meta ? g.meta_stride : 0;
   if (const Internode* in = ctx.internode()) {

@@ -84,8 +84,12 @@ size_t control_bytes(int num_ranks);
 // `window` origin tokens × `slots` contributions (row at stride `row_stride`, then weights).
 struct DispatchGeometry {
   size_t row_stride, meta_stride, half_bytes;
-  int64_t window;  // tokens per half; 0 = does not fit
+  int64_t window;               // tokens per half; 0 = does not fit
+  bool cache_resident = false;  // windows small enough to stay in the shared cache: stage with plain stores
 };
+// On one node a dispatch window holds at most this many bytes (rows + routing), so that the receivers read
+// what the sender staged from the shared cache instead of from memory (docs/performance.md).
+constexpr size_t kDispatchWindowBytes = size_t{1} << 20;
 DispatchGeometry dispatch_geometry(size_t data_bytes, size_t row_bytes, size_t meta_bytes);
 size_t dispatch_min_data_bytes(size_t row_bytes, size_t meta_bytes);
 
