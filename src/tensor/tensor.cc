@@ -114,7 +114,7 @@ namespace {
 
 // Small tensors come from aligned_alloc. Large ones (>= 2 MiB) are anonymous mappings in whole 2 MiB
 // units, 2 MiB-aligned and advised to use transparent huge pages, recycled through a bounded cache: a fresh
-// mapping faults on first touch (the kernel zeroes every page; 0.4-2 GB/s on the development VM), which
+// mapping faults on first touch (the kernel zeroes every page; 0.4-10 GB/s on the development VM), which
 // would dominate a dispatch whose outputs are hundreds of MiB. Recycled blocks keep their pages.
 //
 // Output sizes change from call to call (routing), so a request takes the smallest cached block that fits
@@ -148,20 +148,22 @@ class CachingAllocator final : public Allocator, public std::enable_shared_from_
     return Tensor::wrap(p, dtype, shape, {}, std::move(owner));
   }
 
+  // Makes sure a cached block of at least `bytes` exists (cached blocks already have their pages).
   void reserve(size_t bytes) override {
     if (bytes < kLarge) return;
     const size_t size = units(bytes);
-    void* p = take(size);  // cached memory already has its pages
-    if (!p) {
-      p = map_fresh(size);
-      if (!p)
-        EPCOMM_THROW(SystemError, "out of memory reserving ", size, " bytes of output memory (",
-                     "BufferOptions::num_output_reserve_bytes)");
-      // Write through: the kernel faults (and zeroes) every page now, not in the first call, and every
-      // byte is written once (on the development VM a first pass over memory the kernel has just zeroed
-      // still ran several times slower than later ones; docs/performance.md).
-      std::memset(p, 0, size);
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      if (free_.lower_bound(size) != free_.end()) return;
     }
+    void* p = map_fresh(size);
+    if (!p)
+      EPCOMM_THROW(SystemError, "out of memory reserving ", size, " bytes of output memory (",
+                   "BufferOptions::num_output_reserve_bytes)");
+    // Write through: the kernel faults (and zeroes) every page now, not in the first call, and every byte
+    // is written once (on the development VM a first pass over memory the kernel has just zeroed still ran
+    // several times slower than later ones; docs/performance.md).
+    std::memset(p, 0, size);
     give_back(p, size);
   }
 

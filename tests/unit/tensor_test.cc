@@ -82,6 +82,11 @@ TEST(CachingAllocator, ReserveFaultsMemoryInAheadOfTheFirstAllocation) {
   alloc->reserve(8 * kMiB);
   Tensor a = alloc->allocate(DType::u8, {8 * kMiB});
   EXPECT_EQ(resident_pages(a.data(), 8 * kMiB), size_t{8 * kMiB / 4096});
+  // A smaller cached block does not count: reserving more maps (and faults in) a block of the full size.
+  a = Tensor();
+  alloc->reserve(16 * kMiB);
+  Tensor b = alloc->allocate(DType::u8, {16 * kMiB});
+  EXPECT_EQ(resident_pages(b.data(), 16 * kMiB), size_t{16 * kMiB / 4096});
 }
 
 TEST(CachingAllocator, KeepsNoMoreThanItsLimit) {
