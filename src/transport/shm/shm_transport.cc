@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstring>
@@ -62,6 +63,17 @@ class ShmTransport final : public Transport {
   std::vector<std::string> names_;
 };
 
+// Maps the page tables of the first kPeerHotBytes of a peer's segment now (the pages exist: their owner
+// wrote them through), so that the first call does not take those minor faults one by one.
+constexpr size_t kPeerHotBytes = size_t{16} << 20;
+void populate_start(uint8_t* p, size_t total) {
+  const size_t hot = std::min(total, kPeerHotBytes);
+#ifdef MADV_POPULATE_READ
+  if (madvise(p, hot, MADV_POPULATE_READ) == 0) return;
+#endif
+  for (size_t off = 0; off < hot; off += 4096) (void)*static_cast<volatile const uint8_t*>(p + off);
+}
+
 ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks)
     : rank_(bootstrap.rank()), size_(bootstrap.size()), bytes_(segment_bytes), maps_(size_, nullptr) {
   spins_ = env::spin_count(host_ranks > 0 ? host_ranks : size_);
@@ -101,11 +113,15 @@ ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t 
       if (pfd == -1)
         EPCOMM_THROW(SystemError, "cannot open the shared-memory segment ", names_[r], " of rank ", r, ": ",
                      std::strerror(errno));
-      void* q = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, pfd, 0);
+      // Only the start of a peer's segment is populated (control words, headers and the engine's windows
+      // live there); the rest enters this process's page tables, and its resident set, where this rank
+      // touches it. Populating everything would count every peer's whole segment in every rank's RSS.
+      void* q = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
       close(pfd);
       if (q == MAP_FAILED)
         EPCOMM_THROW(SystemError, "mmap of rank ", r, "'s segment failed: ", std::strerror(errno));
       maps_[r] = static_cast<uint8_t*>(q);
+      populate_start(maps_[r], total);
     }
     bootstrap.barrier();  // every rank has mapped every segment: the names are no longer needed
     unlink_all();
