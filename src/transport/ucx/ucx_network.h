@@ -51,7 +51,7 @@ struct RankInfo {
 };
 
 struct Landed {
-  bool has_signal;  // false: a rejected write, skipped so that later signals are not held up forever
+  bool has_signal;  // false: a write that failed to land; no later signal of its sender applies (land)
   uint64_t signal_offset;
   uint64_t value;
 };
@@ -70,6 +70,7 @@ struct Peer {
   std::string failure;                // guarded by UcxNetwork::fail_mu_
   uint64_t next_seq_in = 0;           // guarded by UcxNetwork::recv_mu_
   std::map<uint64_t, Landed> landed;  // arrived out of order, guarded by recv_mu_
+  bool stream_broken = false;         // a write failed to land: no later signal applies (recv_mu_)
 };
 
 // One write in flight: owns the header and the iov list, which UCX reads until the send completes.

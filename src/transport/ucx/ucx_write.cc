@@ -216,7 +216,10 @@ void UcxNetwork::on_recv_done(void* request, ucs_status_t status, size_t, void* 
 }
 
 // Signals are applied in the sender's issue order: once a signal is visible, every earlier write of that
-// sender to this rank has landed too (rendezvous writes may finish out of order).
+// sender to this rank has landed too (rendezvous writes may finish out of order). A write that failed to
+// land (its sender died during a rendezvous, or it was out of bounds) breaks that guarantee, so no signal of
+// that sender is applied after it: a later, complete write's signal would otherwise announce the failed one's
+// data too (a dispatch window half-written by a dying rank). The failure itself is recorded by the caller.
 void UcxNetwork::land(Peer& p, const WireHeader& h, bool has_signal) {
   bool arrived = false;
   {
@@ -224,7 +227,8 @@ void UcxNetwork::land(Peer& p, const WireHeader& h, bool has_signal) {
     p.landed[h.seq] = Landed{has_signal, h.signal_offset, h.value};
     for (auto it = p.landed.begin(); it != p.landed.end() && it->first == p.next_seq_in;
          it = p.landed.erase(it), ++p.next_seq_in) {
-      if (!it->second.has_signal) continue;
+      if (!it->second.has_signal) p.stream_broken = true;
+      if (p.stream_broken) continue;
       auto* word = reinterpret_cast<uint64_t*>(options_.region + it->second.signal_offset);
       std::atomic_ref<uint64_t> signal(*word);
       uint64_t old = signal.load(std::memory_order_relaxed);
