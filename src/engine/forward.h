@@ -40,8 +40,17 @@ struct StagedWindow {
   // Window w of source s as this rank reads it (`geo` and `lane_half` from window_geometry for s's rows).
   static StagedWindow of(const OpContext& ctx, int s, int64_t w, const DispatchGeometry& geo,
                          size_t lane_half, size_t net_meta, int64_t tokens_of_s) {
-    if (ctx.remote(s))
-      return compact(ctx.data(s) + static_cast<size_t>(w % 2) * lane_half, geo.row_stride, net_meta);
+    if (ctx.remote(s)) {
+      StagedWindow win =
+          compact(ctx.data(s) + static_cast<size_t>(w % 2) * lane_half, geo.row_stride, net_meta);
+      // Never read outside the lane: a window announced without having landed whole (which the network
+      // prevents) must not be walked.
+      if (win.count < 0 || win.count > geo.window)
+        EPCOMM_THROW(Aborted, ctx.prefix(), "the forwarded window ", w, " of ", ctx.peer_word(), " ", s,
+                     " claims ", win.count, " tokens, more than a window holds (", geo.window,
+                     "): its data did not land whole");
+      return win;
+    }
     const int64_t t0 = w * geo.window;
     return local(ctx.data(s) + static_cast<size_t>(w % 2) * geo.half_bytes, geo, t0,
                  std::min(tokens_of_s, t0 + geo.window) - t0);
