@@ -27,6 +27,10 @@ const Knob kKnobs[] = {
      "how the UCX transport writes into a peer's region: am (active messages) or put (RMA puts, then a "
      "signal "
      "message); docs/internode.md"},
+    {"EPCOMM_SHM", "auto",
+     "how ranks on one host share their segments: memfd (anonymous, opened by peers through "
+     "/proc/<pid>/fd; nothing can be left behind), named (POSIX names in /dev/shm, unlinked once every rank "
+     "has mapped them; for ranks in different PID namespaces), auto (memfd, else named on every rank)"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -62,6 +66,14 @@ bool normal_int8() {
   auto a = get("DEEP_NORMAL_MODE_USE_INT8_QUANT");
   auto b = get("EPCOMM_NORMAL_INT8");
   return (a && *a == "1") || (b && *b == "1");
+}
+
+std::string shm_mode() {
+  auto v = get("EPCOMM_SHM");
+  if (!v) return "auto";
+  EPCOMM_CHECK(*v == "auto" || *v == "memfd" || *v == "named",
+               "EPCOMM_SHM: expected auto, memfd or named, got '", *v, "'");
+  return *v;
 }
 
 int ranks_per_node() {

@@ -28,5 +28,6 @@ bool normal_int8();               // DEEP_NORMAL_MODE_USE_INT8_QUANT or EPCOMM_N
 int spin_count(int local_ranks);  // EPCOMM_SPIN: polls before a waiter sleeps on its futex
 std::string ucx_write_mode();     // EPCOMM_UCX_WRITE: "am" (default) or "put"
 int ranks_per_node();             // EPCOMM_RANKS_PER_NODE, default 0 (one node per host)
+std::string shm_mode();           // EPCOMM_SHM: "auto" (default), "memfd" or "named"
 
 }  // namespace epcomm::env

@@ -8,6 +8,7 @@
 
 #include "multirank/round_trip.h"
 #include "support/check.h"
+#include "transport/transport.h"
 
 using namespace epcomm;
 using namespace epcomm::testing;
@@ -144,6 +145,22 @@ MR_CASE("kill_rank_during_dispatch", {true, 2, 1}) {
     REQUIRE(m.find("rank 1") != std::string::npos, "error does not name rank 1: ", m);
   }
   REQUIRE(seconds_since(t0) < timeout + 5, "failure took ", seconds_since(t0), " s");
+}
+
+MR_CASE("killed_during_segment_setup", {true, 2, 0}) {
+  // Rank 0 is killed while its shared-memory segment exists and it waits for rank 1 to publish its own (rank
+  // 1 is alive but late): no rank ever reaches the point where segments are unlinked, and still nothing may
+  // stay in /dev/shm (checked by the driver). With EPCOMM_SHM=named rank 0's name stays there and this fails.
+  if (ctx.rank == 0) {
+    std::thread killer([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      kill(getpid(), SIGKILL);
+    });
+    killer.detach();
+    auto transport = make_shm_transport(ctx.group->bootstrap(), 4 << 20, ctx.group->next_instance(), 0);
+    REQUIRE(false, "rank 0 should have been killed during the segment setup");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(4000));
 }
 
 MR_CASE("events_async_chain", {}) {

@@ -3,11 +3,13 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <climits>
 #include <cstring>
 #include <vector>
@@ -55,6 +57,9 @@ class ShmTransport final : public Transport {
  private:
   ShmHeader* header(int r) const { return reinterpret_cast<ShmHeader*>(maps_[r]); }
   void unlink_all() noexcept;
+  // Creates our segment (a memfd, or a name in /dev/shm) and maps every rank's. false: some rank could not
+  // open some memfd and `must` is false (every rank then returns false and has released everything).
+  bool attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must);
 
   int rank_, size_;
   int spins_;  // polls before sleeping: a waiter only spins when every rank can have its own core
@@ -74,45 +79,130 @@ void populate_start(uint8_t* p, size_t total) {
   for (size_t off = 0; off < hot; off += 4096) (void)*static_cast<volatile const uint8_t*>(p + off);
 }
 
+// What every rank publishes about its segment: a memfd is opened by its peers through
+// /proc/<pid>/fd/<fd> (and checked by device and inode, so a recycled pid cannot hand over another file);
+// a named segment through shm_open(name).
+struct SegmentRef {
+  int32_t memfd;  // 1: memfd (pid, fd, dev, ino); 0: POSIX name
+  int32_t pid;
+  int32_t fd;
+  int32_t pad;
+  uint64_t dev;
+  uint64_t ino;
+  char name[kNameBytes];
+};
+
+std::vector<SegmentRef> gather_refs(Bootstrap& bootstrap, const SegmentRef& mine) {
+  std::vector<std::byte> bytes(sizeof(SegmentRef));
+  std::memcpy(bytes.data(), &mine, sizeof(SegmentRef));
+  auto all = bootstrap.all_gather(bytes);
+  std::vector<SegmentRef> refs(static_cast<size_t>(bootstrap.size()));
+  std::memcpy(refs.data(), all.data(), all.size());
+  return refs;
+}
+
+// Opens rank r's segment; -1 with errno set (and `what` saying which path) when it cannot be opened.
+int open_peer(const SegmentRef& ref, std::string& what) {
+  if (!ref.memfd) {
+    const std::string name(ref.name, strnlen(ref.name, kNameBytes));
+    what = detail::cat("shm_open(", name, ")");
+    return shm_open(name.c_str(), O_RDWR, 0600);
+  }
+  what = detail::cat("/proc/", ref.pid, "/fd/", ref.fd);
+  if (ref.fd < 0) {  // the peer could not create a memfd
+    errno = ENOSYS;
+    return -1;
+  }
+  int fd = open(what.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd == -1) return -1;
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_dev) != ref.dev ||
+      static_cast<uint64_t>(st.st_ino) != ref.ino) {
+    close(fd);
+    errno = ESTALE;  // not the file the peer published (the peer is gone and its pid was reused)
+    return -1;
+  }
+  return fd;
+}
+
 ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks)
     : rank_(bootstrap.rank()), size_(bootstrap.size()), bytes_(segment_bytes), maps_(size_, nullptr) {
   spins_ = env::spin_count(host_ranks > 0 ? host_ranks : size_);
-  const size_t total = segment_bytes + kShmHeaderBytes;
+  const std::string mode = env::shm_mode();
+  const bool named = mode == "named" || !attach(bootstrap, instance, /*memfd=*/true, mode == "memfd");
+  if (named) attach(bootstrap, instance, /*memfd=*/false, true);
+}
+
+bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must) {
+  const size_t total = bytes_ + kShmHeaderBytes;
   std::string own = detail::cat("/epcomm-", bootstrap.unique_id(), "-", instance, "-r", rank_);
   EPCOMM_CHECK_LT(own.size(), kNameBytes, "shared-memory name too long");
-  names_.assign(size_, std::string());
-  names_[rank_] = own;
+  int own_fd = -1, create_errno = 0;
+  auto release = [&] {
+    unlink_all();
+    if (own_fd != -1) close(own_fd);
+    own_fd = -1;
+    for (int r = 0; r < size_; ++r)
+      if (maps_[r]) munmap(maps_[r], total);
+    std::fill(maps_.begin(), maps_.end(), nullptr);
+  };
   try {
-    int fd = shm_open(own.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EPCOMM_CHECK_ERRNO(fd);
-    // Reserve the pages now so that a full /dev/shm fails here with ENOSPC instead of SIGBUS later.
-    int rc = posix_fallocate(fd, 0, static_cast<off_t>(total));
-    if (rc != 0) {
-      close(fd);
-      EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", total,
-                   " bytes (num_nvl_bytes = ", segment_bytes, ") in /dev/shm: ", std::strerror(rc));
+    SegmentRef mine{};
+    mine.memfd = memfd ? 1 : 0;
+    mine.pid = static_cast<int32_t>(getpid());
+    std::memcpy(mine.name, own.data(), own.size());
+    if (memfd) {
+      // Anonymous: no name exists at any moment, so a crash, even of every rank during setup, leaves
+      // nothing behind; the memory goes with the last process that holds it. A kernel without memfds
+      // (before 3.17) makes every rank fall back to names below, unless EPCOMM_SHM=memfd.
+      own_fd = memfd_create(own.c_str() + 1, MFD_CLOEXEC);
+      create_errno = errno;
+      if (own_fd == -1 && must)
+        EPCOMM_THROW(SystemError, "memfd_create failed: ", std::strerror(errno),
+                     " (EPCOMM_SHM=named uses /dev/shm)");
+    } else {
+      names_.assign(size_, std::string());
+      names_[rank_] = own;
+      own_fd = shm_open(own.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      EPCOMM_CHECK_ERRNO(own_fd);
     }
-    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED)
-      EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
-    maps_[rank_] = static_cast<uint8_t*>(p);
-    // Write through the whole segment once: first-touch faults are paid here, not by the first dispatch.
-    std::memset(p, 0, total);
+    mine.fd = own_fd;
+    if (own_fd != -1) {
+      struct stat st {};
+      EPCOMM_CHECK_ERRNO(fstat(own_fd, &st));
+      mine.dev = static_cast<uint64_t>(st.st_dev);
+      mine.ino = static_cast<uint64_t>(st.st_ino);
+      // Reserve the pages now so that a full /dev/shm (or memory limit) fails here with an error instead of
+      // SIGBUS later.
+      int rc = posix_fallocate(own_fd, 0, static_cast<off_t>(total));
+      if (rc != 0)
+        EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", total,
+                     " bytes (num_nvl_bytes = ", bytes_, ")", memfd ? "" : " in /dev/shm", ": ",
+                     std::strerror(rc));
+      void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, own_fd, 0);
+      if (p == MAP_FAILED)
+        EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
+      maps_[rank_] = static_cast<uint8_t*>(p);
+      // Write through the whole segment once: first-touch faults are paid here, not by the first dispatch.
+      std::memset(p, 0, total);
+    }
 
-    std::vector<std::byte> mine(kNameBytes, std::byte{0});
-    std::memcpy(mine.data(), own.data(), own.size());
-    auto all = bootstrap.all_gather(mine);
-    for (int r = 0; r < size_; ++r) {
-      const char* n = reinterpret_cast<const char*>(all.data()) + static_cast<size_t>(r) * kNameBytes;
-      names_[r] = std::string(n, strnlen(n, kNameBytes));
-    }
-    for (int r = 0; r < size_; ++r) {
+    const std::vector<SegmentRef> refs = gather_refs(bootstrap, mine);
+    if (!memfd)
+      for (int r = 0; r < size_; ++r)
+        names_[r] = std::string(refs[r].name, strnlen(refs[r].name, kNameBytes));
+    int failed_peer = own_fd == -1 ? rank_ : -1, failed_errno = create_errno;
+    std::string failed_what = "memfd_create";
+    for (int r = 0; r < size_ && failed_peer < 0; ++r) {
       if (r == rank_) continue;
-      int pfd = shm_open(names_[r].c_str(), O_RDWR, 0600);
-      if (pfd == -1)
-        EPCOMM_THROW(SystemError, "cannot open the shared-memory segment ", names_[r], " of rank ", r, ": ",
-                     std::strerror(errno));
+      std::string what;
+      int pfd = open_peer(refs[r], what);
+      if (pfd == -1) {
+        failed_peer = r;
+        failed_errno = errno;
+        failed_what = what;
+        break;
+      }
       // Only the start of a peer's segment is populated (control words, headers and the engine's windows
       // live there); the rest enters this process's page tables, and its resident set, where this rank
       // touches it. Populating everything would count every peer's whole segment in every rank's RSS.
@@ -123,12 +213,38 @@ ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t 
       maps_[r] = static_cast<uint8_t*>(q);
       populate_start(maps_[r], total);
     }
-    bootstrap.barrier();  // every rank has mapped every segment: the names are no longer needed
+    // Every rank learns which rank, if any, could not open which segment (this is also the barrier after
+    // which the names and the memfds are no longer needed).
+    const int32_t mine_failed = failed_peer;
+    std::vector<std::byte> bytes(sizeof mine_failed);
+    std::memcpy(bytes.data(), &mine_failed, sizeof mine_failed);
+    const auto all = bootstrap.all_gather(bytes);
+    int culprit = -1, culprit_peer = -1;
+    for (int r = 0; r < size_ && culprit < 0; ++r) {
+      int32_t f;
+      std::memcpy(&f, all.data() + static_cast<size_t>(r) * sizeof f, sizeof f);
+      if (f >= 0) culprit = r, culprit_peer = f;
+    }
+    if (culprit >= 0 && must) {
+      const char* hint = memfd ? " (ranks in different PID namespaces, or processes that are not dumpable, "
+                                 "cannot open each other's memfds: set EPCOMM_SHM=named)"
+                               : "";
+      if (failed_peer >= 0)
+        EPCOMM_THROW(SystemError, "cannot open the shared-memory segment of rank ", failed_peer, " through ",
+                     failed_what, ": ", std::strerror(failed_errno), hint);
+      EPCOMM_THROW(SystemError, "rank ", culprit, " cannot open the shared-memory segment of rank ",
+                   culprit_peer, " (its own error says why)", hint);
+    }
+    if (culprit >= 0) {
+      release();  // every rank falls back together
+      return false;
+    }
     unlink_all();
+    close(own_fd);
+    own_fd = -1;
+    return true;
   } catch (...) {
-    unlink_all();
-    for (int r = 0; r < size_; ++r)
-      if (maps_[r]) munmap(maps_[r], total);
+    release();
     throw;
   }
 }
