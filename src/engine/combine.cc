@@ -466,9 +466,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   // row index (int64) instead of the row, and we read the row in place. Such a holder may return only once
   // every origin it serves has reduced its last window (`combine_open` = pack(seq, windows + 1): closed).
   std::vector<const uint8_t*> shared_x(R, nullptr);
-  for (int p = 0; p < R; ++p)
-    if (!inter && ctx.header(p)->input_offset >= 0)
-      shared_x[p] = ctx.data(p) - ctx.layout().data + ctx.header(p)->input_offset;
+  for (int p = 0; p < R; ++p) shared_x[p] = ctx.shared_input(p);
   const bool by_index = shared_x[me] != nullptr;
   const int L = hd.num_local;
   // The rank holding the copy in `slot` of token t: the owner of expert k's id, or rank `slot`.

@@ -151,11 +151,10 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     for (int64_t t = t0; t < t1; ++t) {
       uint8_t* dst = half + (t - t0) * geo.row_stride;
       const uint8_t* x = in.x + t * in.x_row_bytes;
-      if (share_x) {
-        // nothing to copy
-      } else if (f.quantize) {
+      // With share_x only the routing is staged: receivers read the row in our dispatch-input area.
+      if (!share_x && f.quantize) {
         quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
-      } else {
+      } else if (!share_x) {
         // Plain stores into a cache-sized window: the receivers read it from the shared cache.
         if (geo.cache_resident)
           std::memcpy(dst, x, f.data_row_bytes);
@@ -387,9 +386,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
 
   // Sources whose x lies in their shared dispatch-input area: rows are read there, in place.
   std::vector<const uint8_t*> shared_x(R, nullptr);
-  for (int s = 0; s < R; ++s)
-    if (!inter && ctx.header(s)->input_offset >= 0)
-      shared_x[s] = ctx.data(s) - ctx.layout().data + ctx.header(s)->input_offset;
+  for (int s = 0; s < R; ++s) shared_x[s] = ctx.shared_input(s);
 
   auto pull = [&](int s, int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);

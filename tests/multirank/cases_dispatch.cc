@@ -71,33 +71,44 @@ MR_CASE("dispatch_random", {}) {
 // holders' rows in place; the results must equal the reference bit for bit, as with private inputs, in
 // both orders, with alignment, worst-case rows, other dtypes and widths, async chains, and windows that move
 // in rounds (small segment). Across nodes the same calls take the copying path.
+// The round trips of both shared-area cases, per order: two expert alignments over several windows of the
+// 1 MiB segment, then f16 tokens with worst-case rows in an async chain (`extra` = true). `run` sets the
+// case's own fields, runs the round trip and checks what is particular to it.
+template <typename Run>
+void shared_area_sweep(RankCtx& ctx, uint64_t seed, Run&& run) {
+  for (ReceiveOrder order : kOrders) {
+    for (int64_t align : {1, 64}) {
+      RoundTrip rt;
+      rt.spec = spec_for(ctx, seed++, 3, 4, 512);
+      rt.spec.min_tokens = 150;
+      rt.spec.max_tokens = 300;
+      rt.order = order;
+      rt.expert_alignment = align;
+      run(rt, false);
+    }
+    RoundTrip other;
+    other.spec = spec_for(ctx, seed++, 2, 3, 40, DType::f16);
+    other.order = order;
+    other.num_worst_tokens = -3;
+    other.async = true;
+    run(other, true);
+  }
+}
+
 MR_CASE("combine_shared_input", {}) {
   BufferOptions o = test_options(1 << 20);
   o.num_combine_input_bytes = 8 << 20;
   Buffer buf(ctx.group, o);
   REQUIRE(buf.num_combine_input_bytes() == 8 << 20, "num_combine_input_bytes ",
           buf.num_combine_input_bytes());
-  uint64_t seed = 300;
-  for (ReceiveOrder order : kOrders) {
-    for (int64_t align : {1, 64}) {
-      RoundTrip rt;
-      rt.spec = spec_for(ctx, seed++, 3, 4, 512);
-      rt.spec.max_tokens = 200;  // several windows of the 1 MiB segment
-      rt.order = order;
-      rt.expert_alignment = align;
-      rt.shared_input = true;
-      run_round_trip(ctx, buf, rt);
+  shared_area_sweep(ctx, 300, [&](RoundTrip& rt, bool extra) {
+    if (extra) {  // an f32 combine of another width
+      rt.combine_dtype = DType::f32;
+      rt.combine_hidden = 72;
     }
-    RoundTrip other;  // f32 combine of another width, worst-case rows, async chain
-    other.spec = spec_for(ctx, seed++, 2, 3, 40, DType::f16);
-    other.order = order;
-    other.combine_dtype = DType::f32;
-    other.combine_hidden = 72;
-    other.num_worst_tokens = -3;
-    other.async = true;
-    other.shared_input = true;
-    run_round_trip(ctx, buf, other);
-  }
+    rt.shared_input = true;
+    run_round_trip(ctx, buf, rt);
+  });
   // Too small an area: a clear capacity error naming the option, nothing else happens.
   Buffer none(ctx.group, test_options(1 << 20));
   const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
@@ -123,36 +134,24 @@ MR_CASE("dispatch_shared_input", {}) {
   REQUIRE(buf.num_dispatch_input_bytes() == 4 << 20, "num_dispatch_input_bytes ",
           buf.num_dispatch_input_bytes());
   const bool one_node = buf.num_nodes() == 1;
-  uint64_t seed = 400;
-  for (ReceiveOrder order : kOrders) {
-    for (int64_t align : {1, 64}) {
-      RoundTrip rt;
-      rt.spec = spec_for(ctx, seed++, 3, 4, 512);
-      rt.spec.min_tokens = 150;  // several windows of the 1 MiB segment
-      rt.spec.max_tokens = 300;
-      rt.order = order;
-      rt.expert_alignment = align;
-      rt.cached = true;
-      rt.shared_dispatch_input = true;
-      const Buffer::CopyCounters c0 = buf.copy_counters();
+  shared_area_sweep(ctx, 400, [&](RoundTrip& rt, bool extra) {
+    rt.shared_dispatch_input = true;
+    if (extra) {  // both shared areas
+      rt.shared_input = true;
       run_round_trip(ctx, buf, rt);
-      const Buffer::CopyCounters c1 = buf.copy_counters();
-      const int64_t T = make_problem(rt.spec).ranks[ctx.rank].num_tokens;
-      // Two dispatches (fresh, cached) of T tokens each.
-      check_scalar<int64_t>("dispatch_in_place_tokens",
-                            c1.dispatch_in_place_tokens - c0.dispatch_in_place_tokens, one_node ? 2 * T : 0);
-      check_scalar<int64_t>("dispatch_staged_tokens", c1.dispatch_staged_tokens - c0.dispatch_staged_tokens,
-                            one_node ? 0 : 2 * T);
+      return;
     }
-    RoundTrip other;  // f16 tokens, worst-case rows, async chain, both shared areas
-    other.spec = spec_for(ctx, seed++, 2, 3, 40, DType::f16);
-    other.order = order;
-    other.num_worst_tokens = -3;
-    other.async = true;
-    other.shared_dispatch_input = true;
-    other.shared_input = true;
-    run_round_trip(ctx, buf, other);
-  }
+    rt.cached = true;
+    const Buffer::CopyCounters c0 = buf.copy_counters();
+    run_round_trip(ctx, buf, rt);
+    const Buffer::CopyCounters c1 = buf.copy_counters();
+    const int64_t T = make_problem(rt.spec).ranks[ctx.rank].num_tokens;
+    // Two dispatches (fresh, cached) of T tokens each.
+    check_scalar<int64_t>("dispatch_in_place_tokens",
+                          c1.dispatch_in_place_tokens - c0.dispatch_in_place_tokens, one_node ? 2 * T : 0);
+    check_scalar<int64_t>("dispatch_staged_tokens", c1.dispatch_staged_tokens - c0.dispatch_staged_tokens,
+                          one_node ? 0 : 2 * T);
+  });
   // A private x is staged (and counted so); a quantized dispatch of a shared x is staged too.
   const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
   const int64_t T = pr.ranks[ctx.rank].num_tokens;

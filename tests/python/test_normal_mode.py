@@ -305,22 +305,41 @@ def test_normal_mode_4_ranks():
     spawn(normal_mode_job, 4, 2)
 
 
+def distinct_routing(seed, T, H, E, K):
+    """bf16 tokens, K distinct experts per token and their weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
+    return x, ids, torch.rand(T, K, generator=g)
+
+
+def routed_args(buf, ids, w, E, **extra):
+    """The dispatch keyword arguments of a fresh call: the layout of `ids` plus top-k."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=ids, topk_weights=w, **extra)
+
+
+def expect_no_area(call, option, allowed=False):
+    """call() on a Buffer without the shared area raises InvalidUsageError naming `option` = 0 (unless
+    `allowed`: then it may also succeed, e.g. an empty area request)."""
+    try:
+        call()
+        check(allowed, f"no error without {option}")
+    except epcomm.InvalidUsageError as e:
+        check(f"{option} = 0" in str(e), f"message: {e}")
+
+
 def shared_input_job(rank, world):
     """combine from Buffer.get_combine_input equals combine from the dispatched tensor, bit for bit, in both
     modes and orders; the area is the same memory on every call; too small an area raises InvalidUsageError."""
     E, K, H, T = 4 * world, 3, 64, 20 + rank
-    g = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
-    w = torch.rand(T, K, generator=g)
+    x, ids, w = distinct_routing(10 + rank, T, H, E, K)
     for mode in ("shm", "alltoall"):
         use_mode(mode)
         buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_combine_input_bytes=4 << 20)
         for order in ORDERS:
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
-            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=ids, topk_weights=w, receive_order=order)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **routed_args(buf, ids, w, E, receive_order=order))
             weights = recv_w if order == "rank_major" else None
             a, aw, _ = buf.combine(recv_x, handle, topk_weights=weights)
             sx = buf.get_combine_input(handle)
@@ -336,14 +355,8 @@ def shared_input_job(rank, world):
         buf.destroy()
     use_mode("shm")
     small = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20)
-    per_rank, _, per_expert, in_rank, _ = small.get_dispatch_layout(ids, E)
-    _, _, _, _, handle, _ = small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                           num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w)
-    try:
-        small.get_combine_input(handle)
-        check(handle.num_rows == 0, "no error without a combine-input area")
-    except epcomm.InvalidUsageError as e:
-        check("num_combine_input_bytes = 0" in str(e), f"message: {e}")
+    handle = small.dispatch(x, **routed_args(small, ids, w, E))[4]
+    expect_no_area(lambda: small.get_combine_input(handle), "num_combine_input_bytes", allowed=handle.num_rows == 0)
     small.destroy()
 
 
@@ -356,18 +369,13 @@ def shared_dispatch_input_job(rank, world):
     and orders, fresh and cached; the copy counters show that no token was staged; outputs are large
     enough to come from the caching allocator (>= 2 MiB) and stay valid after the Buffer reuses memory."""
     E, K, H, T = 4 * world, 3, 4096, 300 + rank
-    g = torch.Generator().manual_seed(20 + rank)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
-    w = torch.rand(T, K, generator=g)
+    x, ids, w = distinct_routing(20 + rank, T, H, E, K)
     for mode in ("shm", "alltoall"):
         use_mode(mode)
         buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_dispatch_input_bytes=(300 + world) * H * 2,
                             num_output_reserve_bytes=64 << 20)
         for order in ORDERS:
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
-            args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=ids, topk_weights=w, receive_order=order)
+            args = routed_args(buf, ids, w, E, receive_order=order)
             a = buf.dispatch(x, **args)
             sx = buf.get_dispatch_input(T, H)
             check(sx.shape == (T, H) and sx.dtype == torch.bfloat16, f"shape {tuple(sx.shape)}")
@@ -389,11 +397,7 @@ def shared_dispatch_input_job(rank, world):
         buf.destroy()
     use_mode("shm")
     small = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20)
-    try:
-        small.get_dispatch_input(T, H)
-        check(False, "no error without a dispatch-input area")
-    except epcomm.InvalidUsageError as e:
-        check("num_dispatch_input_bytes = 0" in str(e), f"message: {e}")
+    expect_no_area(lambda: small.get_dispatch_input(T, H), "num_dispatch_input_bytes")
     small.destroy()
 
 
