@@ -166,6 +166,13 @@ void OpContext::exchange_headers(const std::function<void(bool& progressed)>& me
   }
 }
 
+bool OpContext::any_peer_failed() const {
+  if (inter_ && inter_->net->failed_peer() >= 0) return true;
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_ && control(r)->failed.load(std::memory_order_acquire) != 0) return true;
+  return false;
+}
+
 void OpContext::check_peers_alive() const {
   if (inter_) {
     std::string f = inter_->net->failure();

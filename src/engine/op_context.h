@@ -130,6 +130,10 @@ class OpContext {
     auto deadline = Clock::now() + timeout_;
     while (true) {
       uint32_t snap = tp_.doorbell();
+      // A peer's failure or departure is recorded after everything it sent before it has landed, so a step
+      // that began after the failure was seen has looked at all of that: only then is the failure final (a
+      // peer that finished and closed right after its last signal is not a failure of this call).
+      const bool failed_before = any_peer_failed();
       bool progressed = false;
       if (step(progressed)) return;
       auto now = Clock::now();
@@ -137,7 +141,10 @@ class OpContext {
         deadline = now + timeout_;
         continue;
       }
-      check_peers_alive();
+      if (failed_before)
+        check_peers_alive();
+      else if (any_peer_failed())
+        continue;
       if (now >= deadline) raise_timeout(phase, awaited());
       tp_.wait_doorbell(snap, std::min(deadline, now + std::chrono::milliseconds(100)));
     }
@@ -149,6 +156,7 @@ class OpContext {
 
   // Throws Aborted when a peer has published a failure (its Buffer failed: ours cannot go on either).
   void check_peers_alive() const;
+  bool any_peer_failed() const;  // what check_peers_alive() would throw for, without throwing
   bool saw_peer_failure() const { return saw_peer_failure_; }
   [[noreturn]] void raise_timeout(const char* phase, const std::vector<int>& peers) const;
   // Tells peers this rank will not continue (they raise Aborted quoting `message`).

@@ -245,9 +245,21 @@ void UcxNetwork::wake_progress() {
 // gained (docs/internode.md).
 void UcxNetwork::progress_loop() {
   while (!stop_.load()) {
-    while (ucp_worker_progress(worker_) != 0) {
+    while (true) {
+      unsigned events;
+      {
+        std::lock_guard lock(worker_mu_);
+        events = ucp_worker_progress(worker_);
+      }
+      if (events == 0) break;
+      if (worker_waiters_.load(std::memory_order_relaxed) > 0) std::this_thread::yield();
     }
-    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    ucs_status_t armed;
+    {
+      std::lock_guard lock(worker_mu_);
+      armed = ucp_worker_arm(worker_);
+    }
+    if (armed == UCS_ERR_BUSY) continue;
     idle_sleep_.store(true);
     epoll_event ev;
     if (!stop_.load()) epoll_wait(epoll_fd_, &ev, 1, in_flight_.load() > 0 ? 1 : 100);

@@ -31,6 +31,13 @@ uint64_t UcxNetwork::write_signal(int peer, const Piece* pieces, int num_pieces,
   Peer& p = peer_of(peer, "write_signal");
   if (p.failed.load()) {
     std::lock_guard lock(fail_mu_);
+    if (p.departed) {
+      // The peer said goodbye: its Buffer finished its last call (a call that failed there was announced
+      // before the goodbye), so it needs nothing more from us; e.g. our own failure notice after it left.
+      const uint64_t ticket = tickets_.issue();
+      tickets_.finish(ticket);
+      return ticket;
+    }
     EPCOMM_THROW(Aborted, p.failure);
   }
   EPCOMM_CHECK(num_pieces >= 0 && (num_pieces == 0 || pieces), "write_signal: bad piece list");
@@ -49,13 +56,16 @@ uint64_t UcxNetwork::write_signal(int peer, const Piece* pieces, int num_pieces,
   const uint64_t ticket = op->ticket;
   writes_.fetch_add(1, std::memory_order_relaxed);
   payload_bytes_.fetch_add(length, std::memory_order_relaxed);
-  if (mode_ == WriteMode::am)
-    send_am(op, pieces, num_pieces);
-  else
-    send_put(op, pieces, num_pieces);
-  if (p.failed.load()) {  // failed while starting this write
+  {
+    auto lock = lock_worker();
+    if (mode_ == WriteMode::am)
+      send_am(op, pieces, num_pieces);
+    else
+      send_put(op, pieces, num_pieces);
+  }
+  if (p.failed.load()) {  // failed while starting this write (a goodbye meanwhile is not a failure)
     std::lock_guard lock(fail_mu_);
-    EPCOMM_THROW(Aborted, p.failure);
+    if (!p.departed) EPCOMM_THROW(Aborted, p.failure);
   }
   return ticket;
 }
