@@ -129,24 +129,6 @@ template <typename Fmt>
 constexpr int64_t kVecBlock = 64;
 constexpr int64_t kPrefetch = 1024;
 
-[[gnu::target("avx512f"), gnu::always_inline]] inline __m512 load16_avx512(DType dt, const uint8_t* x) {
-  if (dt == DType::f32) return _mm512_loadu_ps(x);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  if (dt == DType::bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  return _mm512_cvtph_ps(h);  // f16: exact widening
-}
-
-// Fmt::store of Bf16 on 16 lanes, after acc = +0 + p: round to nearest even, NaN -> 0x7FC0.
-[[gnu::target("avx512f"), gnu::always_inline]] inline __m256i round_bf16_avx512(__m512 p) {
-  const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_setzero_ps(), p));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 template <DType DT, typename Fmt>
 [[gnu::target("avx512f")]] void reduce_avx512(const uint8_t* const* rows, const float* weights, int n,
                                               int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,

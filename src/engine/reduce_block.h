@@ -7,6 +7,11 @@
 #include <cstdint>
 
 #include "epcomm/quant_element.h"
+#include "epcomm/tensor.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace epcomm::engine {
 
@@ -56,5 +61,31 @@ template <typename Fmt>
   if (bias2) acc = acc + Fmt::load(reinterpret_cast<const T*>(bias2)[c]);
   reinterpret_cast<T*>(out)[c] = Fmt::store(acc);
 }
+
+#if defined(__x86_64__)
+// AVX-512 building blocks of the vector reductions (kernels.cc, partial_kernels.cc); callers are compiled
+// with the avx512f target and chosen at load time.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers, on their own helpers
+// 16 elements of dtype `dt` (bf16, f16 or f32) widened exactly to f32.
+[[gnu::target("avx512f"), gnu::always_inline]] inline __m512 load16_avx512(DType dt, const uint8_t* x) {
+  if (dt == DType::f32) return _mm512_loadu_ps(x);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if (dt == DType::bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);  // f16: exact widening
+}
+
+// Fmt::store of Bf16 on 16 lanes, after acc = +0 + p: round to nearest even, NaN -> 0x7FC0.
+[[gnu::target("avx512f"), gnu::always_inline]] inline __m256i round_bf16_avx512(__m512 p) {
+  const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_setzero_ps(), p));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace epcomm::engine
