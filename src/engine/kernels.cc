@@ -120,14 +120,13 @@ template <typename Fmt>
 
 #if defined(__x86_64__)
 // Vector kernels: a block of kVecBlock elements keeps its fp32 sums in registers while every copy of the
-// token is read (the copies are read side by side, block by block), and prefetches each copy kPrefetch
+// token is read (the copies are read side by side, block by block), and prefetches each copy kSumPrefetch
 // bytes ahead so that a token's K streams overlap their misses. Same operations in the same order as
 // reduce_block_t: p = +0; p = p + f32(w * x) per copy; no FMA (mul and add are separate instructions).
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own undefined-vector helpers.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-constexpr int64_t kVecBlock = 64;
-constexpr int64_t kPrefetch = 1024;
+constexpr int64_t kVecBlock = kSumBlock;
 
 template <DType DT, typename Fmt>
 [[gnu::target("avx512f")]] void reduce_avx512(const uint8_t* const* rows, const float* weights, int n,
@@ -141,29 +140,8 @@ template <DType DT, typename Fmt>
                       hidden * static_cast<int64_t>(elem) >= static_cast<int64_t>(kStreamMin);
   int64_t c0 = 0;
   for (; c0 + kVecBlock <= hidden; c0 += kVecBlock) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int j = 0; j < n; ++j) {
-      const uint8_t* x = rows[j] + c0 * elem;
-      _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + 64), _MM_HINT_T0);
-      if constexpr (elem == 4) {
-        _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + 128), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + 192), _MM_HINT_T0);
-      }
-      __m512 v0 = load16_avx512(DT, x), v1 = load16_avx512(DT, x + 16 * elem);
-      __m512 v2 = load16_avx512(DT, x + 32 * elem), v3 = load16_avx512(DT, x + 48 * elem);
-      if (weights) {
-        const __m512 w = _mm512_set1_ps(weights[j]);
-        v0 = _mm512_mul_ps(w, v0);
-        v1 = _mm512_mul_ps(w, v1);
-        v2 = _mm512_mul_ps(w, v2);
-        v3 = _mm512_mul_ps(w, v3);
-      }
-      a0 = _mm512_add_ps(a0, v0);
-      a1 = _mm512_add_ps(a1, v1);
-      a2 = _mm512_add_ps(a2, v2);
-      a3 = _mm512_add_ps(a3, v3);
-    }
+    __m512 a0, a1, a2, a3;
+    sum_block_avx512<DT>(rows, weights, n, c0, a0, a1, a2, a3);
     if (DT == DType::bf16 && stream) {
       __m256i* o = reinterpret_cast<__m256i*>(out + c0 * elem);
       _mm256_stream_si256(o, round_bf16_avx512(a0));
@@ -201,7 +179,7 @@ template <DType DT, typename Fmt>
     for (int j = 0; j < n; ++j) {
       const uint8_t* x = rows[j] + c0 * elem;
       for (size_t l = 0; l < kVecBlock * elem; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(x + kSumPrefetch + l), _MM_HINT_T0);
       const __m256 w = _mm256_set1_ps(weights ? weights[j] : 1.0f);
       for (int i = 0; i < 8; ++i) {
         __m256 v = load8_avx2(DT, x + 8 * i * elem);

@@ -33,36 +33,17 @@ template <typename Fmt>
 #if defined(__x86_64__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers
-constexpr int64_t kVec = 64;                            // elements per register block (4 x 16 lanes)
-constexpr int64_t kPrefetch = 1024;  // bytes ahead on each contribution, as in the one-node kernel
+constexpr int64_t kVec = kSumBlock;
 
 // partial_t on 64-element blocks whose sums stay in registers while every contribution is read; the same
 // operations in the same order (p = +0, then p = p + f32(w * x) per contribution, no FMA).
-template <typename Fmt>
-[[gnu::target("avx512f")]] void partial_avx512(DType dt, const uint8_t* const* rows, const float* weights,
-                                               int n, int64_t hidden, float* out) {
-  const size_t elem = dt == DType::f32 ? 4 : 2;
+template <DType DT, typename Fmt>
+[[gnu::target("avx512f")]] void partial_avx512(const uint8_t* const* rows, const float* weights, int n,
+                                               int64_t hidden, float* out) {
   int64_t c0 = 0;
   for (; c0 + kVec <= hidden; c0 += kVec) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int j = 0; j < n; ++j) {
-      const uint8_t* x = rows[j] + c0 * elem;
-      for (size_t l = 0; l < kVec * elem; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(x + kPrefetch + l), _MM_HINT_T0);
-      __m512 v0 = load16_avx512(dt, x), v1 = load16_avx512(dt, x + 16 * elem);
-      __m512 v2 = load16_avx512(dt, x + 32 * elem), v3 = load16_avx512(dt, x + 48 * elem);
-      if (weights) {
-        const __m512 w = _mm512_set1_ps(weights[j]);
-        v0 = _mm512_mul_ps(w, v0);
-        v1 = _mm512_mul_ps(w, v1);
-        v2 = _mm512_mul_ps(w, v2);
-        v3 = _mm512_mul_ps(w, v3);
-      }
-      a0 = _mm512_add_ps(a0, v0);
-      a1 = _mm512_add_ps(a1, v1);
-      a2 = _mm512_add_ps(a2, v2);
-      a3 = _mm512_add_ps(a3, v3);
-    }
+    __m512 a0, a1, a2, a3;
+    sum_block_avx512<DT>(rows, weights, n, c0, a0, a1, a2, a3);
     _mm512_storeu_ps(out + c0, a0);
     _mm512_storeu_ps(out + c0 + 16, a1);
     _mm512_storeu_ps(out + c0 + 32, a2);
@@ -154,11 +135,11 @@ void reduce_partial(DType dt, const uint8_t* const* rows, const float* weights, 
   if (kHaveAvx512) {
     switch (dt) {
       case DType::bf16:
-        return partial_avx512<Bf16>(dt, rows, weights, n, hidden, out);
+        return partial_avx512<DType::bf16, Bf16>(rows, weights, n, hidden, out);
       case DType::f16:
-        return partial_avx512<F16>(dt, rows, weights, n, hidden, out);
+        return partial_avx512<DType::f16, F16>(rows, weights, n, hidden, out);
       default:
-        return partial_avx512<F32>(dt, rows, weights, n, hidden, out);
+        return partial_avx512<DType::f32, F32>(rows, weights, n, hidden, out);
     }
   }
 #endif
