@@ -77,7 +77,8 @@ const char* kBenchEpilog =
     "talk over TCP sockets): network_bytes = pairs x row_bytes (dispatch) or pairs x H x 4 (combine: f32\n"
     "partials), pairs = (token, other node that needs it) over all ranks; network_gbps = network_bytes /\n"
     "time_us_median / 1e3; link_gbps = the raw UCX put bandwidth of the same transport, every rank to its\n"
-    "first rail peer at once, summed (Buffer::measure_link_gbps); ratio_to_link = network_gbps / link_gbps.\n"
+    "first rail peer at once, summed (Buffer::measure_link_gbps), the best of three; ratio_to_link =\n"
+    "network_gbps / link_gbps.\n"
     "On one node these fields are null (nodes = 1).\n\n"
     "Byte formulas (aggregate over all ranks, payload only, no per-row metadata):\n"
     "  rows = rows received by all ranks, including each rank's rows from itself, PAD rows excluded;\n"
@@ -589,7 +590,13 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   double link_gbps = 0;  // internode: the raw put bandwidth of the same transport, all ranks at once, summed
   if (buffer.num_nodes() > 1) {
     progress.phase("raw UCX put bandwidth to the rail peers");
-    for (double v : all_gather_values(bs, std::vector<double>{buffer.measure_link_gbps()})) link_gbps += v;
+    // Three measurements, the best counts: the link is what the transport can do, and on shared machines
+    // noise only ever lowers it (one measurement moved by 20% from run to run), so the ratio stays honest.
+    for (int rep = 0; rep < 3; ++rep) {
+      double sum = 0;
+      for (double v : all_gather_values(bs, std::vector<double>{buffer.measure_link_gbps()})) sum += v;
+      link_gbps = std::max(link_gbps, sum);
+    }
   }
   if (r == 0 && !ro.quiet)
     if (const char* why = baseline_absent_reason(ro)) std::fprintf(stderr, "epcomm bench: %s\n", why);
