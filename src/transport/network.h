@@ -58,7 +58,8 @@ class Network {
   // peer's on_arrival. Pieces may be empty (a signal alone). The pieces' memory must stay untouched until
   // complete() returns true for the returned ticket (or for a later one: tickets complete in order per
   // rank, as seen by complete()). Throws Aborted naming the peer when the endpoint to it has failed, and
-  // InvalidUsage when offset/size fall outside the peer's region.
+  // InvalidUsage when offset/size fall outside the peer's region. A write to a peer that said goodbye (its
+  // Network is being destroyed after its last call) is dropped: its ticket completes at once.
   virtual uint64_t write_signal(int peer, const Piece* pieces, int num_pieces, size_t offset,
                                 size_t signal_offset, uint64_t signal_value) = 0;
   // True once every write with a ticket <= `ticket` has been handed off (its source memory may be reused).
