@@ -98,26 +98,6 @@ template <typename Fmt>
   }
 }
 
-// Rounds one block of fp32 sums (acc = +0 + p, then the biases) into the output.
-template <typename Fmt>
-[[gnu::always_inline]] inline void finish_block_t(const float* p, int64_t c0, int64_t m, const uint8_t* bias1,
-                                                  const uint8_t* bias2, uint8_t* out) {
-  using T = typename Fmt::T;
-  T* o = reinterpret_cast<T*>(out) + c0;
-  const T* b1 = bias1 ? reinterpret_cast<const T*>(bias1) + c0 : nullptr;
-  const T* b2 = bias2 ? reinterpret_cast<const T*>(bias2) + c0 : nullptr;
-  if (!b1) {
-    for (int64_t i = 0; i < m; ++i) o[i] = Fmt::store(0.0f + p[i]);
-    return;
-  }
-  for (int64_t i = 0; i < m; ++i) {
-    float acc = 0.0f + p[i];
-    acc = acc + Fmt::load(b1[i]);
-    if (b2) acc = acc + Fmt::load(b2[i]);
-    o[i] = Fmt::store(acc);
-  }
-}
-
 #if defined(__x86_64__)
 // Vector kernels: a block of kVecBlock elements keeps its fp32 sums in registers while every copy of the
 // token is read (the copies are read side by side, block by block), and prefetches each copy kSumPrefetch
@@ -133,7 +113,6 @@ template <DType DT, typename Fmt>
                                               int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
                                               uint8_t* out) {
   constexpr size_t elem = DT == DType::f32 ? 4 : 2;
-  alignas(64) float p[kVecBlock];
   // Without biases a bf16 row is rounded in registers and written around the cache: combined_x is
   // written once and not read back by the reduction, so its lines need no read-for-ownership.
   const bool stream = DT == DType::bf16 && !bias1 && (reinterpret_cast<uintptr_t>(out) & 31) == 0 &&
@@ -142,19 +121,7 @@ template <DType DT, typename Fmt>
   for (; c0 + kVecBlock <= hidden; c0 += kVecBlock) {
     __m512 a0, a1, a2, a3;
     sum_block_avx512<DT>(rows, weights, n, c0, a0, a1, a2, a3);
-    if (DT == DType::bf16 && stream) {
-      __m256i* o = reinterpret_cast<__m256i*>(out + c0 * elem);
-      _mm256_stream_si256(o, round_bf16_avx512(a0));
-      _mm256_stream_si256(o + 1, round_bf16_avx512(a1));
-      _mm256_stream_si256(o + 2, round_bf16_avx512(a2));
-      _mm256_stream_si256(o + 3, round_bf16_avx512(a3));
-      continue;
-    }
-    _mm512_store_ps(p, a0);
-    _mm512_store_ps(p + 16, a1);
-    _mm512_store_ps(p + 32, a2);
-    _mm512_store_ps(p + 48, a3);
-    finish_block_t<Fmt>(p, c0, kVecBlock, bias1, bias2, out);
+    finish_block_avx512<DT, Fmt>(a0, a1, a2, a3, c0, bias1, bias2, out, stream);
   }
   if (stream) _mm_sfence();  // order the streaming stores before the tail and whatever publishes the row
   if (c0 < hidden) reduce_block_t<Fmt>(rows, weights, n, c0, hidden, bias1, bias2, out);

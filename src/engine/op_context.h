@@ -130,9 +130,9 @@ class OpContext {
     auto deadline = Clock::now() + timeout_;
     while (true) {
       uint32_t snap = tp_.doorbell();
-      // A peer's failure or departure is recorded after everything it sent before it has landed, so a step
-      // that began after the failure was seen has looked at all of that: only then is the failure final (a
-      // peer that finished and closed right after its last signal is not a failure of this call).
+      // A peer's failure is recorded after everything it sent before it has landed, so a step that began
+      // after the failure was seen has looked at all of that: only then is the failure final (what the peer
+      // delivered before failing may be all this call needed).
       const bool failed_before = any_peer_failed();
       bool progressed = false;
       if (step(progressed)) return;

@@ -53,11 +53,10 @@ template <DType DT, typename Fmt>
 }
 
 // finish_t on 64-element blocks: acc = +0 + p_1 + ... + p_n in registers, then the biases and the rounding
-// (bf16 without biases rounded in registers; otherwise element by element, as finish_t).
-template <typename Fmt>
-[[gnu::target("avx512f")]] void finish_avx512(DType dt, const float* const* parts, int n, int64_t hidden,
+// (acc is never -0, so finish_block_avx512's extra +0 changes nothing).
+template <DType DT, typename Fmt>
+[[gnu::target("avx512f")]] void finish_avx512(const float* const* parts, int n, int64_t hidden,
                                               const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
-  alignas(64) float acc[kVec];
   int64_t c0 = 0;
   for (; c0 + kVec <= hidden; c0 += kVec) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -68,20 +67,7 @@ template <typename Fmt>
       a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + 32));
       a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + 48));
     }
-    if (dt == DType::bf16 && !bias1 && !bias2) {
-      // round_bf16_avx512 adds +0 first: acc is never -0 here (it starts at +0), so that changes nothing.
-      __m256i* o = reinterpret_cast<__m256i*>(out + c0 * 2);
-      _mm256_storeu_si256(o, round_bf16_avx512(a0));
-      _mm256_storeu_si256(o + 1, round_bf16_avx512(a1));
-      _mm256_storeu_si256(o + 2, round_bf16_avx512(a2));
-      _mm256_storeu_si256(o + 3, round_bf16_avx512(a3));
-      continue;
-    }
-    _mm512_store_ps(acc, a0);
-    _mm512_store_ps(acc + 16, a1);
-    _mm512_store_ps(acc + 32, a2);
-    _mm512_store_ps(acc + 48, a3);
-    for (int64_t i = 0; i < kVec; ++i) finish_element<Fmt>(acc[i], c0 + i, bias1, bias2, out);
+    finish_block_avx512<DT, Fmt>(a0, a1, a2, a3, c0, bias1, bias2, out, false);
   }
   finish_t<Fmt>(parts, n, c0, hidden, bias1, bias2, out);
 }
@@ -152,11 +138,11 @@ void finish_partials(DType dt, const float* const* parts, int n, int64_t hidden,
   if (kHaveAvx512) {
     switch (dt) {
       case DType::bf16:
-        return finish_avx512<Bf16>(dt, parts, n, hidden, bias1, bias2, out);
+        return finish_avx512<DType::bf16, Bf16>(parts, n, hidden, bias1, bias2, out);
       case DType::f16:
-        return finish_avx512<F16>(dt, parts, n, hidden, bias1, bias2, out);
+        return finish_avx512<DType::f16, F16>(parts, n, hidden, bias1, bias2, out);
       default:
-        return finish_avx512<F32>(dt, parts, n, hidden, bias1, bias2, out);
+        return finish_avx512<DType::f32, F32>(parts, n, hidden, bias1, bias2, out);
     }
   }
 #endif

@@ -62,6 +62,26 @@ template <typename Fmt>
   reinterpret_cast<T*>(out)[c] = Fmt::store(acc);
 }
 
+// Rounds one block of fp32 sums (acc = +0 + p, then the biases) into the output.
+template <typename Fmt>
+[[gnu::always_inline]] inline void finish_block_t(const float* p, int64_t c0, int64_t m, const uint8_t* bias1,
+                                                  const uint8_t* bias2, uint8_t* out) {
+  using T = typename Fmt::T;
+  T* o = reinterpret_cast<T*>(out) + c0;
+  const T* b1 = bias1 ? reinterpret_cast<const T*>(bias1) + c0 : nullptr;
+  const T* b2 = bias2 ? reinterpret_cast<const T*>(bias2) + c0 : nullptr;
+  if (!b1) {
+    for (int64_t i = 0; i < m; ++i) o[i] = Fmt::store(0.0f + p[i]);
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    float acc = 0.0f + p[i];
+    acc = acc + Fmt::load(b1[i]);
+    if (b2) acc = acc + Fmt::load(b2[i]);
+    o[i] = Fmt::store(acc);
+  }
+}
+
 #if defined(__x86_64__)
 // AVX-512 building blocks of the vector reductions (kernels.cc, partial_kernels.cc); callers are compiled
 // with the avx512f target and chosen at load time.
@@ -121,6 +141,33 @@ template <DType DT>
     a2 = _mm512_add_ps(a2, v2);
     a3 = _mm512_add_ps(a3, v3);
   }
+}
+
+// Rounds the f32 sums of elements [c0, c0 + 64) (acc = +0 + a, then the biases) into `out`, as
+// finish_block_t does: bf16 without biases in registers (with streaming stores when `stream`: `out` is
+// 32-byte aligned and not read back soon), anything else through finish_block_t.
+template <DType DT, typename Fmt>
+[[gnu::target("avx512f"), gnu::always_inline]] inline void finish_block_avx512(
+    __m512 a0, __m512 a1, __m512 a2, __m512 a3, int64_t c0, const uint8_t* bias1, const uint8_t* bias2,
+    uint8_t* out, bool stream) {
+  if (DT == DType::bf16 && !bias1) {  // bias2 needs bias1 (checked with the arguments)
+    __m256i* o = reinterpret_cast<__m256i*>(out + c0 * 2);
+    const __m256i r[4] = {round_bf16_avx512(a0), round_bf16_avx512(a1), round_bf16_avx512(a2),
+                          round_bf16_avx512(a3)};
+    for (int i = 0; i < 4; ++i) {
+      if (stream)
+        _mm256_stream_si256(o + i, r[i]);
+      else
+        _mm256_storeu_si256(o + i, r[i]);
+    }
+    return;
+  }
+  alignas(64) float p[kSumBlock];
+  _mm512_store_ps(p, a0);
+  _mm512_store_ps(p + 16, a1);
+  _mm512_store_ps(p + 32, a2);
+  _mm512_store_ps(p + 48, a3);
+  finish_block_t<Fmt>(p, c0, kSumBlock, bias1, bias2, out);
 }
 #pragma GCC diagnostic pop
 #endif

@@ -196,7 +196,7 @@ class UcxNetwork final : public Network {
 
   mutable std::mutex fail_mu_;
   std::string failure_;
-  int failed_peer_ = -1;
+  std::atomic<int> failed_peer_{-1};  // read without the lock: OpContext::run asks at every step
   std::mutex recv_mu_;
   std::atomic<bool> closing_{false};  // teardown started: arrivals no longer call on_arrival
 

@@ -261,7 +261,7 @@ void UcxNetwork::record_failure(Peer& p, const std::string& message) {
     p.failed.store(true);
     if (failure_.empty()) {
       failure_ = message;
-      failed_peer_ = p.rank;
+      failed_peer_.store(p.rank);
     }
   }
   notify(p.rank);  // waiters wake and see the failure
@@ -291,8 +291,7 @@ std::string UcxNetwork::failure() const {
 }
 
 int UcxNetwork::failed_peer() const {
-  std::lock_guard lock(fail_mu_);
-  return failed_peer_;
+  return failed_peer_.load();
 }
 
 NetworkCounters UcxNetwork::counters() const {
