@@ -74,6 +74,14 @@ struct BufferOptions {
   // hosts). Size it like the outputs of one dispatch + combine: about num_tokens x num_topk x row bytes
   // (expert_major; num_tokens x ranks reached in rank_major) + num_tokens x hidden x elem. 0 = none. Local.
   int64_t num_output_reserve_bytes = 0;
+  // Address space of this rank's output arena (one node): a shared-memory range, mapped by every peer, that
+  // the outputs are carved from (and handed to the allocator through Allocator::adopt), so that a dispatch
+  // sender writes each row once, straight into its place in the receiver's recv_x, with nothing staged.
+  // Pages exist only where outputs were written; freed outputs keep theirs for the next call (up to 4 GiB).
+  // -1 = auto: env EPCOMM_OUTPUT_ARENA, else the host's physical memory; 0 = none (outputs come from the
+  // allocator and dispatch copies every row through the segment). Output memory reserved with
+  // num_output_reserve_bytes is then carved from the arena and mapped by the peers up front.
+  int64_t num_output_arena_bytes = -1;
 };
 
 // What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.
@@ -200,12 +208,16 @@ class Buffer {
   // while a dispatch that reads it is in flight.
   Tensor get_dispatch_input(int64_t num_tokens, int64_t hidden, DType dtype = DType::bf16);
   int64_t num_dispatch_input_bytes() const;
+  // This rank's output arena (BufferOptions::num_output_arena_bytes): its address space in bytes, or 0 when
+  // the Buffer has none (options, several nodes, or no address space for it); then dispatch stages rows.
+  int64_t num_output_arena_bytes() const;
 
   // What this rank's calls copied and what its peers read in place, since the Buffer was created: shows
   // whether the shared input areas are in use. Read between calls (after their events completed).
   struct CopyCounters {
     int64_t dispatch_staged_tokens = 0;  // tokens whose payload this rank copied (or quantized) into staging
     int64_t dispatch_in_place_tokens = 0;  // tokens receivers read in place from its dispatch-input area
+    int64_t dispatch_pushed_tokens = 0;    // tokens whose rows it wrote straight into receivers' recv_x
     int64_t combine_copied_rows = 0;       // rows it copied into other ranks' combine windows
     int64_t combine_in_place_rows = 0;     // rows other ranks read in place from its combine-input area
   };

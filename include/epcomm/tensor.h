@@ -71,6 +71,11 @@ class Allocator {
   // Makes `bytes` of output memory ready ahead of the first allocate() (faulted in, kept for reuse); a hint,
   // no-op by default.
   virtual void reserve(size_t bytes) { (void)bytes; }
+  // Takes over memory epcomm carved for an output elsewhere (a Buffer's shared output arena,
+  // BufferOptions::num_output_arena_bytes) and returns the tensor to hand out: it must view the same bytes
+  // (peers write into them) and keep `t.owner()` alive as long as it lives. The default returns `t`; the
+  // Python front wraps it in torch storage.
+  virtual Tensor adopt(Tensor t) { return t; }
 };
 
 // The library's allocator: 64-byte aligned heap memory for small tensors; large ones (>= 2 MiB) from a

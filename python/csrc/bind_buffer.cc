@@ -198,6 +198,7 @@ void bind_buffer(py::module_& m) {
              py::dict d;
              d["dispatch_staged_tokens"] = c.dispatch_staged_tokens;
              d["dispatch_in_place_tokens"] = c.dispatch_in_place_tokens;
+             d["dispatch_pushed_tokens"] = c.dispatch_pushed_tokens;
              d["combine_copied_rows"] = c.combine_copied_rows;
              d["combine_in_place_rows"] = c.combine_in_place_rows;
              return d;

@@ -31,6 +31,15 @@ class TorchAllocator final : public Allocator {
     return Tensor::wrap(data, dtype, shape, {}, own(std::move(t)));
   }
   void reserve(size_t bytes) override { default_allocator()->reserve(bytes); }
+  // Memory from the Buffer's output arena: torch storage over it that keeps the block alive.
+  Tensor adopt(Tensor t) override {
+    std::shared_ptr<void> keep = t.owner();
+    std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+    at::Tensor a = at::from_blob(
+        t.data(), shape, [keep](void*) mutable { keep.reset(); },
+        at::TensorOptions().dtype(torch_dtype(t.dtype())).device(at::kCPU));
+    return Tensor::wrap(t.data(), t.dtype(), t.shape(), {}, own(std::move(a)));
+  }
 };
 
 }  // namespace

@@ -2,6 +2,8 @@
 // the caller's thread, run on the communication thread, return early when async_finish is set).
 #include "api/buffer_impl.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "api/event_state.h"
@@ -9,12 +11,38 @@
 #include "common/check.h"
 #include "common/env.h"
 #include "routing/layout.h"
+#include "tensor/output_arena.h"
 
 namespace epcomm {
 
 namespace {
 std::atomic<int> g_num_threads{0};
 constexpr int64_t kDefaultSegmentBytes = 64ll << 20;
+
+// Outputs from the rank's output arena, handed to the user's allocator (adopt); from the allocator itself
+// once the arena has no room.
+class ArenaAllocator final : public Allocator {
+ public:
+  ArenaAllocator(std::shared_ptr<OutputArena> arena, std::shared_ptr<Allocator> user)
+      : arena_(std::move(arena)), user_(std::move(user)) {}
+  Tensor allocate(DType dtype, const Shape& shape) override {
+    Tensor t = arena_->allocate(dtype, shape);
+    return t.defined() ? user_->adopt(std::move(t)) : user_->allocate(dtype, shape);
+  }
+  void reserve(size_t bytes) override { arena_->reserve(bytes); }
+  Tensor adopt(Tensor t) override { return user_->adopt(std::move(t)); }
+
+ private:
+  std::shared_ptr<OutputArena> arena_;
+  std::shared_ptr<Allocator> user_;
+};
+
+// BufferOptions::num_output_arena_bytes resolved: -1 = EPCOMM_OUTPUT_ARENA, else the physical memory.
+size_t arena_bytes_for(int64_t option) {
+  int64_t n = option >= 0 ? option : env::output_arena_bytes();
+  if (n < 0) n = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  return static_cast<size_t>(std::max<int64_t>(n, 0));
+}
 }  // namespace
 
 // ---- construction -------------------------------------------------------------------------------------
@@ -39,6 +67,9 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                "argument: num_dispatch_input_bytes: expected >= 0, got ", options.num_dispatch_input_bytes);
   EPCOMM_CHECK(options.num_output_reserve_bytes >= 0, pre,
                "argument: num_output_reserve_bytes: expected >= 0, got ", options.num_output_reserve_bytes);
+  EPCOMM_CHECK(options.num_output_arena_bytes >= -1, pre,
+               "argument: num_output_arena_bytes: expected >= 0, or -1 for auto, got ",
+               options.num_output_arena_bytes);
   EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
                " ranks are supported, got ", b.num_ranks);
   b.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
@@ -99,13 +130,17 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
     b.setup_internode(pre, extra);
   } else {
     b.input_offset = page(static_cast<size_t>(b.nvl_bytes));
+    // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers).
+    ArenaRequest arena{arena_bytes_for(options.num_output_arena_bytes),
+                       static_cast<size_t>(options.num_output_reserve_bytes)};
     b.transport = make_shm_transport(group->bootstrap(),
                                      extra ? b.input_offset + extra : static_cast<size_t>(b.nvl_bytes),
-                                     group->next_instance());
+                                     group->next_instance(), 0, arena);
+    if (auto a = b.transport->output_arena()) b.allocator = std::make_shared<ArenaAllocator>(a, b.allocator);
   }
   b.dispatch_input_offset = b.input_offset + page(static_cast<size_t>(b.input_bytes));
   b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
-  if (options.num_output_reserve_bytes > 0)
+  if (options.num_output_reserve_bytes > 0 && !b.transport->output_arena())
     b.allocator->reserve(static_cast<size_t>(options.num_output_reserve_bytes));
   b.start_comm_thread();
 }
@@ -199,6 +234,11 @@ uint8_t* Buffer::Impl::dispatch_input_area() const {
   return transport->segment(local) + dispatch_input_offset;
 }
 
+int64_t Buffer::num_output_arena_bytes() const {
+  const auto arena = impl_->transport ? impl_->transport->output_arena() : nullptr;
+  return arena ? static_cast<int64_t>(arena->bytes()) : 0;
+}
+
 int64_t Buffer::num_dispatch_input_bytes() const {
   return impl_->dispatch_input_bytes;
 }
@@ -226,6 +266,7 @@ Buffer::CopyCounters Buffer::copy_counters() const {
   CopyCounters r;
   r.dispatch_staged_tokens = c.dispatch_staged_tokens.load(std::memory_order_relaxed);
   r.dispatch_in_place_tokens = c.dispatch_in_place_tokens.load(std::memory_order_relaxed);
+  r.dispatch_pushed_tokens = c.dispatch_pushed_tokens.load(std::memory_order_relaxed);
   r.combine_copied_rows = c.combine_copied_rows.load(std::memory_order_relaxed);
   r.combine_in_place_rows = c.combine_in_place_rows.load(std::memory_order_relaxed);
   return r;

@@ -31,6 +31,10 @@ const Knob kKnobs[] = {
      "how ranks on one host share their segments: memfd (anonymous, opened by peers through "
      "/proc/<pid>/fd; nothing can be left behind), named (POSIX names in /dev/shm, unlinked once every rank "
      "has mapped them; for ranks in different PID namespaces), auto (memfd, else named on every rank)"},
+    {"EPCOMM_OUTPUT_ARENA", "auto",
+     "address space of every rank's output arena when BufferOptions::num_output_arena_bytes is -1: auto (the "
+     "host's physical memory), 0 (none: outputs come from the allocator and dispatch stages every row), or a "
+     "byte count; docs/design.md"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -74,6 +78,16 @@ std::string shm_mode() {
   EPCOMM_CHECK(*v == "auto" || *v == "memfd" || *v == "named",
                "EPCOMM_SHM: expected auto, memfd or named, got '", *v, "'");
   return *v;
+}
+
+int64_t output_arena_bytes() {
+  auto v = get("EPCOMM_OUTPUT_ARENA");
+  if (!v || *v == "auto") return -1;
+  char* end = nullptr;
+  const long long n = std::strtoll(v->c_str(), &end, 10);
+  EPCOMM_CHECK(end && *end == '\0' && n >= 0,
+               "EPCOMM_OUTPUT_ARENA: expected auto or a byte count >= 0, got '", *v, "'");
+  return n;
 }
 
 int ranks_per_node() {

@@ -2,6 +2,7 @@
 // docs/env.md lists the same table for users.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -29,5 +30,6 @@ int spin_count(int local_ranks);  // EPCOMM_SPIN: polls before a waiter sleeps o
 std::string ucx_write_mode();     // EPCOMM_UCX_WRITE: "am" (default) or "put"
 int ranks_per_node();             // EPCOMM_RANKS_PER_NODE, default 0 (one node per host)
 std::string shm_mode();           // EPCOMM_SHM: "auto" (default), "memfd" or "named"
+int64_t output_arena_bytes();     // EPCOMM_OUTPUT_ARENA: -1 = auto (default), else bytes (0 = none)
 
 }  // namespace epcomm::env

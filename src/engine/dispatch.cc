@@ -2,6 +2,9 @@
 // by window (two halves, so staging overlaps pulling); every receiver walks each source's window and copies
 // the rows it owns straight to their final offsets, computed from the exchanged counts. A sender whose x
 // lies in its shared dispatch-input area stages only the routing; receivers read its rows in place.
+// When every rank's outputs come from its output arena (one node, plain rows), senders push instead: each
+// writes its rows straight into the receivers' recv_x (every rank knows every receiver's plan), and the
+// windows carry only the routing, from which the receivers fill the rest of their outputs.
 #include "engine/dispatch.h"
 
 #include <algorithm>
@@ -14,6 +17,7 @@
 #include "engine/kernels.h"
 #include "quant/row.h"
 #include "routing/layout.h"
+#include "tensor/output_arena.h"
 
 namespace epcomm::engine {
 namespace {
@@ -39,8 +43,10 @@ struct Outputs {
   float* weights = nullptr;
   int K = 0;
   int32_t *src_rank = nullptr, *src_token = nullptr, *src_slot = nullptr;
+  bool pushed = false;  // the senders write the payload rows themselves
 
   void copy_payload(int64_t row, const uint8_t* payload) const {
+    if (pushed) return;
     copy_row(data + row * data_row, payload, data_row);
     if (scale_row) std::memcpy(scales + row * scale_row, payload + data_row, scale_row);
   }
@@ -134,27 +140,41 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   Internode* inter = ctx.internode();
   const int M = inter ? inter->topo.num_nodes : 1, my_node = ctx.node_of(me);
   size_t lane_half = 0, net_meta = 0;  // net_meta: routing bytes per compact entry
-  const DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half, net_meta);
-  const int64_t W = geo.window;
-  const int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
+  DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half, net_meta);
+  int64_t W = geo.window;
+  const int64_t row_window =
+      W;  // the capacity rule holds for the staged record, whether or not rows are pushed
+  int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
   uint8_t* my_area = ctx.data(me);
   const RowFormat& f = in.format;
   // x in our shared dispatch-input area (one node, plain rows): receivers read the rows in place, the
   // windows carry only the routing (same geometry, so that every rank computes the same windows).
   const bool share_x = !inter && in.shared_offset >= 0 && !f.quantize && !in.scales;
+  // Whether our rows can be pushed (every rank must say so): outputs in our output arena, plain rows from
+  // private memory, a fresh dispatch on one node, no cost statistics asked for (pushed rows land only once
+  // every rank has arrived, so a late rank's delay would show in every element instead of its own: spec §7).
+  Transport& tp = ctx.transport();
+  const OutputArena* arena = tp.output_arena().get();
+  auto arena_offset = [&](const Tensor& t) { return arena ? arena->offset_of(t.data(), t.nbytes()) : -1; };
+  const bool can_push = arena && !inter && !in.cached && !in.cost_stats && !share_x && !f.quantize &&
+                        !in.scales && f.scale_row_bytes == 0 && meta > 0 &&
+                        (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0);
+  bool push = false;  // decided once the headers are in
   auto stage = [&](int64_t w) {
     uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
     const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
-    if (in.counters)
+    if (in.counters && !push)
       in.counters->add(share_x ? in.counters->dispatch_in_place_tokens : in.counters->dispatch_staged_tokens,
                        t1 - t0);
     for (int64_t t = t0; t < t1; ++t) {
       uint8_t* dst = half + (t - t0) * geo.row_stride;
       const uint8_t* x = in.x + t * in.x_row_bytes;
-      // With share_x only the routing is staged: receivers read the row in our dispatch-input area.
-      if (!share_x && f.quantize) {
+      // With share_x only the routing is staged: receivers read the row in our dispatch-input area; pushed
+      // rows are written into the receivers' outputs instead.
+      const bool rows = !share_x && !push;
+      if (rows && f.quantize) {
         quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
-      } else if (!share_x) {
+      } else if (rows) {
         // Plain stores into a cache-sized window: the receivers read it from the shared cache.
         if (geo.cache_resident)
           std::memcpy(dst, x, f.data_row_bytes);
@@ -207,7 +227,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // 1. Header (and counts, for a fresh dispatch).
   HeaderData& h = ctx.begin_header(in.cached ? OpKind::cached_dispatch : OpKind::dispatch);
   h.order = static_cast<uint32_t>(in.order);
-  h.flags = (has_topk ? kHasTopk | kHasWeights : 0) | (!has_topk ? kHasInRank : 0);
+  h.flags =
+      (has_topk ? kHasTopk | kHasWeights : 0) | (!has_topk ? kHasInRank : 0) | (can_push ? kPushRows : 0);
   h.num_experts = in.num_experts;
   h.num_topk = K;
   h.dtype = static_cast<int32_t>(in.format.data_dtype);
@@ -234,7 +255,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     std::copy(tpr.begin(), tpr.end(), c + in.num_experts);
   }
   ctx.publish_header();
-  while (staged < std::min<int64_t>(my_nwin, 2)) {
+  // (A rank that may push stages nothing yet: its windows' geometry depends on whether every rank pushes.)
+  while (!can_push && staged < std::min<int64_t>(my_nwin, 2)) {
     stage(staged);
     publish_staged();
   }
@@ -243,6 +265,13 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   else
     ctx.exchange_headers();
   check_headers_match(ctx);
+  push = true;
+  for (int r = 0; r < R; ++r) push = push && (ctx.header(r)->flags & kPushRows);
+  if (push) {  // the windows carry only the routing
+    geo = window_geometry(ctx, 0, meta, lane_half, net_meta);
+    W = geo.window;
+    my_nwin = num_windows(in.num_tokens, W);
+  }
 
   const auto t_headers = Clock::now();
   std::vector<int64_t> tokens_of(R);
@@ -252,6 +281,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   const int L = in.num_experts / R;
   routing::ExpertMap map{in.num_experts, R, L};
   routing::ReceivePlan plan;
+  std::vector<std::vector<int64_t>> push_start(push ? R : 0);  // receiver d's first row of each of our runs
   if (!in.cached) {
     std::vector<const int32_t*> pairs(R), toks(R);
     for (int s = 0; s < R; ++s) {
@@ -265,6 +295,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: receiving rank ", d,
                      " gets N = ", p.num_recv_rows, " rows but its num_worst_tokens = ", worst,
                      "; nothing was sent (rows are never truncated)");
+      if (push) push_start[d] = p.start;
       if (d == me) plan = std::move(p);
     }
     EPCOMM_CHECK(plan.num_recv_rows < (int64_t{1} << 31), ctx.prefix(), "argument: rank ", me,
@@ -277,7 +308,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
                  " (one lane of ", inter->lane.bytes, " bytes per node) cannot hold one forwarded token of ",
                  row_bytes, " bytes (+", meta, " bytes of routing); the minimum for this call is ",
                  min_rdma_bytes_for(ctx, geo, net_meta));
-  if (geo.window < 1)
+  if (row_window < 1)
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
                  " cannot hold one staged token of ", row_bytes, " bytes (+", meta,
                  " bytes of routing); the minimum for this call is ",
@@ -336,6 +367,18 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     for (int64_t r = 0; r < rows; ++r)
       if (src[r] < 0) o.fill_empty(r, r + 1);
   }
+  if (push) {  // our recv_x is ready (PAD rows and poison written): the senders may write into it now
+    const int64_t off = arena_offset(out.recv_x.data);
+    EPCOMM_CHECK(
+        off >= 0, ctx.prefix(),
+        "allocator: Allocator::adopt returned memory outside this rank's "
+        "output arena for recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
+    o.pushed = true;
+    ctx.control(me)->out_offset = off;
+    ctx.control(me)->out_ready.store(pack(seq, 1), std::memory_order_release);
+    for (int s = 0; s < R; ++s)
+      if (s != me && plan.rows_per_source[s] > 0) ctx.notify(s);
+  }
   if (!in.cached) {
     // The handle's shape fields are final before on_shapes(); the row lists fill in during the data phase.
     nh->seq = ctx.seq();
@@ -387,6 +430,66 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // Sources whose x lies in their shared dispatch-input area: rows are read there, in place.
   std::vector<const uint8_t*> shared_x(R, nullptr);
   for (int s = 0; s < R; ++s) shared_x[s] = ctx.shared_input(s);
+
+  // Push: once a receiver of our tokens has published its recv_x, we write each of its rows once, straight
+  // into its place there (the receivers' plans give the rows; the order matches their reading of our
+  // routing: ascending tokens, top-k slots in order), then fence and raise our cell in its segment. One pass
+  // over our tokens serves every receiver ready by then (one read of a token for all its rows); a receiver
+  // that comes later gets a pass of its own, so that a late rank does not hold up the others' rows.
+  std::vector<char> pushed_to(R, 0);
+  int push_left = 0;  // receivers of our tokens not served yet
+  if (push)
+    for (int d = 0; d < R; ++d) push_left += my_dest_tokens[d] > 0;
+  auto out_ready = [&](int d) {
+    return ctx.control(d)->out_ready.load(std::memory_order_acquire) >= pack(seq, 1);
+  };
+  auto pushed_by = [&](int s) {
+    return ctx.cell(me, s)->pushed.load(std::memory_order_acquire) >= pack(seq, 1);
+  };
+  auto push_rows = [&](const std::vector<char>& now) {
+    std::vector<uint8_t*> dest(R, nullptr);
+    std::vector<int64_t> next(R, 0);              // rank_major: receiver d's next row for our tokens
+    std::vector<std::vector<int64_t>> next_e(R);  // expert_major: per local expert of d
+    const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
+    for (int d = 0; d < R; ++d) {
+      if (!now[d]) continue;
+      dest[d] = tp.arena(d) + ctx.control(d)->out_offset;
+      if (by_expert)
+        next_e[d].assign(push_start[d].begin() + static_cast<ptrdiff_t>(me) * L,
+                         push_start[d].begin() + static_cast<ptrdiff_t>(me + 1) * L);
+      else
+        next[d] = push_start[d][me];
+    }
+    const size_t bytes = f.data_row_bytes;
+    std::vector<int64_t> last_token(R, -1);
+    for (int64_t t = 0; t < in.num_tokens; ++t) {
+      const uint8_t* x = in.x + t * in.x_row_bytes;
+      if (K == 0) {
+        for (int d = 0; d < R; ++d)
+          if (now[d] && in.in_rank[t * R + d]) copy_row(dest[d] + next[d]++ * bytes, x, bytes, false);
+        continue;
+      }
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = in.ids[t * K + k];
+        if (e < 0) continue;
+        const int d = map.rank_of(e);
+        if (!now[d]) continue;
+        if (by_expert) {
+          copy_row(dest[d] + next_e[d][map.local_of(e)]++ * bytes, x, bytes, false);
+        } else if (last_token[d] != t) {  // rank_major: one row per receiver
+          last_token[d] = t;
+          copy_row(dest[d] + next[d]++ * bytes, x, bytes, false);
+        }
+      }
+    }
+    store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
+    for (int d = 0; d < R; ++d)
+      if (now[d]) {
+        pushed_to[d] = 1;
+        --push_left;
+        ctx.signal(ctx.cell(d, me)->pushed, pack(seq, 1), d);
+      }
+  };
 
   auto pull = [&](int s, int64_t w) {
     const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);
@@ -490,9 +593,19 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
             if (my_dest_tokens[p] > 0 && p != me && !ctx.remote(p)) ctx.notify(p);
           progressed = true;
         }
+        // Our rows, once every receiver's recv_x is out (after the routing, which they read meanwhile).
+        if (push_left > 0) {
+          std::vector<char> now(R, 0);
+          bool any = false;
+          for (int d = 0; d < R; ++d) any |= now[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
+          if (any) {
+            push_rows(now);
+            progressed = true;
+          }
+        }
         // Done once every window is staged and acknowledged (so that the next call may reuse the area)
         // and every source's windows are pulled.
-        bool all = staged == my_nwin && can_stage(my_nwin + 1);
+        bool all = staged == my_nwin && can_stage(my_nwin + 1) && push_left == 0;
         if (inter)
           all = acks->step(progressed, receives, windows) && all && sender->all_sent(my_nwin) &&
                 sender->complete();
@@ -503,18 +616,25 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
             ++pulled[s];
             ctx.signal(ctx.cell(s, me)->ack, pack(seq, pulled[s]), s);
             progressed = true;
-            if (pulled[s] == nwin[s])
-              done_us[s] =
-                  std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
           }
-          all = all && pulled[s] == nwin[s];
+          // A source is done once its windows are read and, pushing, its rows are written.
+          const bool done = pulled[s] == nwin[s] && (!push || nwin[s] == 0 || pushed_by(s));
+          if (done && done_us[s] < 0)
+            done_us[s] =
+                std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
+          all = all && done;
         }
         return all;
       },
       [&] {
         std::vector<int> peers;  // sources not yet staged, and receivers whose acks block our staging
         for (int s = 0; s < R; ++s)
-          if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
+          if ((pulled[s] < nwin[s] || (push && nwin[s] > 0 && !pushed_by(s))) && s != me) peers.push_back(s);
+        if (push_left > 0)  // receivers whose recv_x we wait for
+          for (int d = 0; d < R; ++d)
+            if (d != me && my_dest_tokens[d] > 0 && !pushed_to[d] && !out_ready(d) &&
+                std::find(peers.begin(), peers.end(), d) == peers.end())
+              peers.push_back(d);
         if (!(staged == my_nwin && can_stage(my_nwin + 1)))
           for (int p = 0; p < R; ++p)
             if (my_dest_tokens[p] > 0 && p != me && std::find(peers.begin(), peers.end(), p) == peers.end())
@@ -522,6 +642,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         return peers;
       });
 
+  if (push && in.counters) in.counters->add(in.counters->dispatch_pushed_tokens, in.num_tokens);
   if (in.cost_stats) add_cost_stats(*in.cost_stats, done_us);
 }
 

@@ -20,7 +20,8 @@ namespace {
 // Streaming (non-temporal) copies: a dispatched row is not read again soon, so writing around the cache
 // saves the read-for-ownership of every destination line. `dst` is 64-byte aligned; the tail uses memcpy.
 // The trailing sfence orders the streaming stores before the signal that publishes them.
-[[gnu::target("avx512f")]] void copy_stream_avx512(uint8_t* dst, const uint8_t* src, size_t bytes) {
+[[gnu::target("avx512f")]] void copy_stream_avx512(uint8_t* dst, const uint8_t* src, size_t bytes,
+                                                   bool fence) {
   size_t i = 0;
   for (; i + 256 <= bytes; i += 256) {
     __m512i a = _mm512_loadu_si512(src + i), b = _mm512_loadu_si512(src + i + 64);
@@ -32,11 +33,11 @@ namespace {
   }
   for (; i + 64 <= bytes; i += 64)
     _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
-  _mm_sfence();
+  if (fence) _mm_sfence();
   if (i < bytes) std::memcpy(dst + i, src + i, bytes - i);
 }
 
-[[gnu::target("avx2")]] void copy_stream_avx2(uint8_t* dst, const uint8_t* src, size_t bytes) {
+[[gnu::target("avx2")]] void copy_stream_avx2(uint8_t* dst, const uint8_t* src, size_t bytes, bool fence) {
   size_t i = 0;
   for (; i + 128 <= bytes; i += 128) {
     __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
@@ -48,11 +49,11 @@ namespace {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
   }
-  _mm_sfence();
+  if (fence) _mm_sfence();
   if (i < bytes) std::memcpy(dst + i, src + i, bytes - i);
 }
 
-using CopyFn = void (*)(uint8_t*, const uint8_t*, size_t);
+using CopyFn = void (*)(uint8_t*, const uint8_t*, size_t, bool);
 CopyFn pick_stream_copy() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) return copy_stream_avx512;
@@ -66,14 +67,20 @@ constexpr size_t kStreamMin = 2048;  // below this a row stays in cache: plain m
 
 }  // namespace
 
-void copy_row(void* dst, const void* src, size_t bytes) {
+void copy_row(void* dst, const void* src, size_t bytes, bool fence) {
 #if defined(__x86_64__)
   if (kStreamCopy && bytes >= kStreamMin && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
-    kStreamCopy(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
+    kStreamCopy(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, fence);
     return;
   }
 #endif
   std::memcpy(dst, src, bytes);
+}
+
+void store_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols,

@@ -9,8 +9,10 @@
 
 namespace epcomm::engine {
 
-// Copies one payload row.
-void copy_row(void* dst, const void* src, size_t bytes);
+// Copies one payload row (large rows with streaming stores). `fence` false: the caller issues one
+// store_fence() after a batch of rows, before whatever publishes them.
+void copy_row(void* dst, const void* src, size_t bytes, bool fence = true);
+void store_fence();
 
 // Packs row t of a strided scales tensor (element (t, c) at base + (t*st0 + c*st1) * elem) contiguously.
 void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols,

@@ -20,6 +20,7 @@ namespace epcomm::engine {
 struct CopyCounters {
   std::atomic<int64_t> dispatch_staged_tokens{0};    // tokens whose payload this rank staged (or quantized)
   std::atomic<int64_t> dispatch_in_place_tokens{0};  // tokens read in place from the shared dispatch input
+  std::atomic<int64_t> dispatch_pushed_tokens{0};    // tokens whose rows it wrote into receivers' outputs
   std::atomic<int64_t> combine_copied_rows{0};       // rows this rank copied into other origins' windows
   std::atomic<int64_t> combine_in_place_rows{0};     // rows other origins read in place (shared input)
   void add(std::atomic<int64_t>& c, int64_t n) { c.fetch_add(n, std::memory_order_relaxed); }

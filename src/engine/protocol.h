@@ -29,6 +29,9 @@ const char* op_kind_name(OpKind op);
 
 // Flags of HeaderData::flags.
 constexpr uint32_t kHasTopk = 1, kHasWeights = 2, kHasBias = 4, kHasInRank = 8;
+// Dispatch: this rank's outputs come from its output arena and its rows can be pushed (one node, fresh,
+// plain rows, private x). When every rank says so, senders write rows straight into the receivers' recv_x.
+constexpr uint32_t kPushRows = 16;
 
 // One collective call's header: parameters that must match across ranks, this rank's validation status
 // and message. Written with plain stores, then `seq` is released; readers acquire `seq` first.
@@ -56,13 +59,18 @@ struct alignas(64) Control {
   std::atomic<uint64_t> failed;        // 0, or 1 + sequence number of the call in which this rank failed
   std::atomic<uint64_t> stage_ready;   // dispatch: pack(seq, w + 1) once window w is staged
   std::atomic<uint64_t> combine_open;  // combine: pack(seq, w + 1) once window w may be written
+  // Dispatch with pushed rows: pack(seq, 1) once `out_offset` holds where this call's recv_x starts in this
+  // rank's output arena (senders may write into it then).
+  std::atomic<uint64_t> out_ready;
+  int64_t out_offset;
   char failed_message[kMessageBytes];
 };
 
 // Written by peer p into this rank's segment.
 struct alignas(64) PeerCell {
-  std::atomic<uint64_t> ack;   // dispatch: p finished reading our window: pack(seq, w + 1)
-  std::atomic<uint64_t> done;  // combine: p finished writing into our window: pack(seq, w + 1)
+  std::atomic<uint64_t> ack;     // dispatch: p finished reading our window: pack(seq, w + 1)
+  std::atomic<uint64_t> done;    // combine: p finished writing into our window: pack(seq, w + 1)
+  std::atomic<uint64_t> pushed;  // dispatch: p wrote every row of its tokens into our recv_x: pack(seq, 1)
 };
 
 inline uint64_t pack(uint64_t seq, uint64_t w) {

@@ -12,6 +12,7 @@
 namespace epcomm {
 
 class Bootstrap;
+class OutputArena;
 
 // Owned by one Buffer; used by its communication thread only (not thread-safe).
 class Transport {
@@ -34,6 +35,21 @@ class Transport {
   virtual bool wait_doorbell(uint32_t seen, Clock::time_point until) const = 0;
   // Rings `rank`'s doorbell after this rank published something it may wait for (release ordering).
   virtual void notify(int rank) const = 0;
+
+  // The output arenas (shm, when the Buffer asked for them): this rank's, which its outputs are carved from,
+  // and every rank's as mapped here (own included), so that a peer writes rows into their final place.
+  virtual std::shared_ptr<OutputArena> output_arena() const { return nullptr; }
+  virtual uint8_t* arena(int rank) const {
+    (void)rank;
+    return nullptr;
+  }
+};
+
+// An output arena for every rank: `bytes` of address space (pages exist only where outputs were written),
+// the first `reserve` bytes written through when it is created and mapped by every peer up front.
+struct ArenaRequest {
+  size_t bytes = 0;  // 0: none
+  size_t reserve = 0;
 };
 
 // Shared memory between the ranks of one host (transport/shm/). Collective over `bootstrap`.
@@ -41,6 +57,6 @@ class Transport {
 // `host_ranks`: the ranks running on this host (of any group), which decides whether waiters may spin
 // (env::spin_count); 0 = the bootstrap's size.
 std::unique_ptr<Transport> make_shm_transport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance,
-                                              int host_ranks = 0);
+                                              int host_ranks = 0, ArenaRequest arena = {});
 
 }  // namespace epcomm

@@ -1,6 +1,8 @@
 // multirank/cases_dispatch.cc — dispatch/combine results against the reference: random and skewed routing,
 // both orders, alignment, worst case, zero-token ranks, rounds, cached re-dispatch, invariance.
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "multirank/round_trip.h"
 #include "support/check.h"
@@ -9,6 +11,12 @@ using namespace epcomm;
 using namespace epcomm::testing;
 
 namespace {
+
+// Whether Buffers on one node get output arenas here (EPCOMM_OUTPUT_ARENA=0 turns them off: docs/env.md).
+bool env_arena_on() {
+  const char* v = std::getenv("EPCOMM_OUTPUT_ARENA");
+  return !v || std::string(v) != "0";
+}
 
 ProblemSpec spec_for(const RankCtx& ctx, uint64_t seed, int experts_per_rank, int topk, int64_t hidden,
                      DType dt = DType::bf16) {
@@ -152,15 +160,20 @@ MR_CASE("dispatch_shared_input", {}) {
     check_scalar<int64_t>("dispatch_staged_tokens", c1.dispatch_staged_tokens - c0.dispatch_staged_tokens,
                           one_node ? 0 : 2 * T);
   });
-  // A private x is staged (and counted so); a quantized dispatch of a shared x is staged too.
+  // A private x is pushed into the receivers' outputs where every rank has an output arena (one node, by
+  // default), else staged (and counted so); a quantized dispatch of a shared x is staged too.
   const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
   const int64_t T = pr.ranks[ctx.rank].num_tokens;
   DispatchArgs args = dispatch_args_of(pr, ctx.rank, buf);
+  const bool pushes = buf.num_output_arena_bytes() > 0;
+  REQUIRE(pushes == (one_node && env_arena_on()), "num_output_arena_bytes ", buf.num_output_arena_bytes());
   Buffer::CopyCounters c0 = buf.copy_counters();
   buf.dispatch(args);
   Buffer::CopyCounters c1 = buf.copy_counters();
   check_scalar<int64_t>("private x: dispatch_staged_tokens",
-                        c1.dispatch_staged_tokens - c0.dispatch_staged_tokens, T);
+                        c1.dispatch_staged_tokens - c0.dispatch_staged_tokens, pushes ? 0 : T);
+  check_scalar<int64_t>("private x: dispatch_pushed_tokens",
+                        c1.dispatch_pushed_tokens - c0.dispatch_pushed_tokens, pushes ? T : 0);
   check_scalar<int64_t>("private x: dispatch_in_place_tokens",
                         c1.dispatch_in_place_tokens - c0.dispatch_in_place_tokens, 0);
   Tensor sx = buf.get_dispatch_input(T, 64);

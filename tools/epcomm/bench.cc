@@ -61,18 +61,20 @@ const char* kBenchEpilog =
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
     "verified, dispatch_input, combine_input, segment_bytes, output_reserve_bytes, first_iter_us, "
     "first_iter_ratio, peak_rss_mb,\n"
-    "peak_rss_mb_per_rank.\n\n"
+    "peak_rss_mb_per_rank, pss_mb, dispatch_rows.\n\n"
     "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
     "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call.\n\n"
     "combine_input: shared when every combine read its x from Buffer::get_combine_input (with\n"
     "--combine-input shared: the Buffer gets num_combine_input_bytes for tokens x topk rows + 25%, and the\n"
     "dispatched rows are copied there untimed, as an expert would write its outputs; on one node the\n"
     "origins then read every copy in place), private (the default) when x was the dispatched tensor.\n"
-    "dispatch_input: shared when no dispatch of the line staged a token (Buffer::copy_counters; with\n"
-    "--dispatch-input shared the tokens are written once, untimed, into Buffer::get_dispatch_input and "
-    "every\n"
-    "receiver reads its rows there in place; a quantizing --quant or several nodes still stage), else\n"
-    "private.\n\n"
+    "dispatch_input: shared when every dispatch of the line had its receivers read the rows in place\n"
+    "(Buffer::copy_counters; with --dispatch-input shared the tokens are written once, untimed, into\n"
+    "Buffer::get_dispatch_input; a quantizing --quant or several nodes still stage), else private.\n"
+    "dispatch_rows: how the rows travelled, from the same counters: pushed (every sender wrote its rows\n"
+    "straight into the receivers' recv_x in their output arenas: one node, plain rows, private x; the\n"
+    "default), in_place (read in place from the shared dispatch input), staged (staged in the segment and\n"
+    "copied out by the receivers: quantizing --quant, several nodes, EPCOMM_OUTPUT_ARENA=0), or mixed.\n\n"
     "Across nodes (--ranks-per-node P, or EPCOMM_RANKS_PER_NODE; with UCX_TLS=tcp virtual nodes on one host\n"
     "talk over TCP sockets): network_bytes = pairs x row_bytes (dispatch) or pairs x H x 4 (combine: f32\n"
     "partials), pairs = (token, other node that needs it) over all ranks; network_gbps = network_bytes /\n"
@@ -104,7 +106,11 @@ const char* kBenchEpilog =
     "    iteration of this order and token count (VmHWM reset before it and read after it, before the\n"
     "    baseline's and memcpy's buffers exist; where the reset is refused, since the process started);\n"
     "    peak_rss_mb_per_rank lists each rank's (with --launcher threads every rank reports the whole\n"
-    "    process). MiB.\n\n"
+    "    process). MiB. It counts every page the process touched, the pages of peers' outputs it wrote\n"
+    "    rows into included, so with pushed rows each rank also counts what it wrote for the others.\n"
+    "  pss_mb: the largest, over ranks, proportional set size (/proc/self/smaps_rollup: a page shared by n\n"
+    "    processes counts 1/n in each) right after epcomm's first iteration of the line, its outputs alive.\n"
+    "    MiB. Summed over ranks it is the memory the ranks really hold.\n\n"
     "--plot FILE.svg: after the run, one SVG file: GB/s against tokens per rank (log2 axis) for epcomm,\n"
     "the baseline and memcpy_gbps, one panel per operation and order. Sweep --tokens to make it a curve.\n\n"
     "--quantizers: instead of dispatch and combine, the single-thread throughput of every block quantizer\n"
@@ -187,7 +193,9 @@ struct OrderRun {
   int64_t rows = 0, dispatch_bytes = 0, combine_bytes = 0;
   int64_t ok = 1, baseline_dispatch_ok = 1, baseline_combine_ok = 1;
   int64_t shared_input = 0;           // 1: every combine read x from the shared combine-input area
-  int64_t shared_dispatch_input = 0;  // 1: no dispatch staged a token (the copy counters say so)
+  int64_t shared_dispatch_input = 0;  // 1: every dispatch's receivers read its rows in place (copy counters)
+  int64_t pushed_dispatch = 0;        // 1: every dispatch pushed its rows into the receivers' outputs
+  double pss_mb = 0;                  // after epcomm's first iteration, its outputs alive
   double first_s[2] = {0, 0};         // the first (warm-up) iteration's dispatch and combine times
   double peak_rss_mb = 0;             // after epcomm's first iteration, before the baseline's buffers exist
 };
@@ -325,6 +333,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       progress.phase(name + ": verifying the first iteration");
       check_first(ro, order, r, name, in, *d, *c, run);
       run.peak_rss_mb = peak_rss_mb();
+      run.pss_mb = pss_mb();
       if (with_baseline) {
         first_d = std::move(d);
         first_c = std::move(c);
@@ -332,9 +341,13 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       if (o.warmup > 0) progress.phase(name + ": timing");
     }
   }
-  // Whether the dispatches really read x in place: none of them staged a token (counted by the library).
+  // How the rows travelled, as counted by the library: every token of every call read in place, or pushed.
+  const Buffer::CopyCounters copies_after = buffer.copy_counters();
+  const int64_t all_tokens = static_cast<int64_t>(o.warmup + iters) * ro.tokens;
   run.shared_dispatch_input =
-      buffer.copy_counters().dispatch_staged_tokens == copies_before.dispatch_staged_tokens;
+      copies_after.dispatch_in_place_tokens - copies_before.dispatch_in_place_tokens == all_tokens;
+  run.pushed_dispatch =
+      copies_after.dispatch_pushed_tokens - copies_before.dispatch_pushed_tokens == all_tokens;
   if (!with_baseline) return run;
 
   std::unique_ptr<AlltoallvBaseline> baseline = make_baseline(ro, order, bs, in, buffer);
@@ -386,6 +399,7 @@ struct OrderReport {
   std::vector<int64_t>
       counts;  // per rank: rows, dispatch bytes, combine bytes, ok, baseline dispatch/combine ok
   std::vector<double> peak_rss_mb;  // per rank
+  std::vector<double> pss_mb;       // per rank
   std::vector<double> first_s;      // per rank: the first iteration's dispatch and combine seconds
   double memcpy_gbps[2] = {0, 0};   // dispatch, combine
   bool has_baseline = false;
@@ -395,7 +409,7 @@ struct OrderReport {
   double link_gbps = 0;
 };
 constexpr int kCounts =
-    8;  // per rank: rows, bytes (2), ok, baseline ok (2), shared inputs (combine, dispatch)
+    9;  // per rank: rows, bytes (2), ok, baseline ok (2), shared inputs (combine, dispatch), pushed rows
 
 const char* launcher_name(Launcher l) {
   return l == Launcher::fork ? "fork" : l == Launcher::threads ? "threads" : "mpi";
@@ -407,9 +421,12 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   const int R = ro.ranks, iters = ro.iters;
   int64_t rows = 0, dbytes = 0, cbytes = 0;
   bool verified = true, baseline_verified[2] = {true, true}, shared = true, shared_dispatch = true;
+  int pushed = 0, in_place = 0;  // ranks whose every dispatch pushed / was read in place
   for (int s = 0; s < R; ++s) {
     shared = shared && rep.counts[s * kCounts + 6] == 1;
     shared_dispatch = shared_dispatch && rep.counts[s * kCounts + 7] == 1;
+    in_place += rep.counts[s * kCounts + 7] == 1;
+    pushed += rep.counts[s * kCounts + 8] == 1;
     rows += rep.counts[s * kCounts + 0];
     dbytes += rep.counts[s * kCounts + 1];
     cbytes += rep.counts[s * kCounts + 2];
@@ -418,6 +435,11 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
       baseline_verified[op] = baseline_verified[op] && rep.counts[s * kCounts + 4 + op] == 1;
   }
   const double peak = *std::max_element(rep.peak_rss_mb.begin(), rep.peak_rss_mb.end());
+  const double pss = *std::max_element(rep.pss_mb.begin(), rep.pss_mb.end());
+  const char* rows_how = pushed == R              ? "pushed"
+                         : in_place == R          ? "in_place"
+                         : pushed + in_place == 0 ? "staged"
+                                                  : "mixed";
   for (int op = 0; op < 2; ++op) {
     const Timing tm = slowest_rank_timing(rep.times, R, iters, op);
     double first_us = 0;  // the slowest rank's first iteration
@@ -496,7 +518,9 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("first_iter_us", first_us, 1)
         .add("first_iter_ratio", tm.median > 0 ? first_us / tm.median : 0.0, 2)
         .add("peak_rss_mb", peak, 1)
-        .add("peak_rss_mb_per_rank", rep.peak_rss_mb, 1);
+        .add("peak_rss_mb_per_rank", rep.peak_rss_mb, 1)
+        .add("pss_mb", pss, 1)
+        .add("dispatch_rows", rows_how);
     std::printf("%s\n", j.str().c_str());
     plot.push_back(pp);
   }
@@ -520,11 +544,12 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
   rep.memcpy_gbps[1] = concurrent_memcpy_gbps(bs, run.combine_bytes, o.threads);
   rep.times = all_gather_values(bs, run.times);
   if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, run.baseline_times);
-  rep.counts =
-      all_gather_values(bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
-                                                 run.baseline_dispatch_ok, run.baseline_combine_ok,
-                                                 run.shared_input, run.shared_dispatch_input});
+  rep.counts = all_gather_values(
+      bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
+                               run.baseline_dispatch_ok, run.baseline_combine_ok, run.shared_input,
+                               run.shared_dispatch_input, run.pushed_dispatch});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
+  rep.pss_mb = all_gather_values(bs, std::vector<double>{run.pss_mb});
   rep.first_s = all_gather_values(bs, std::vector<double>{run.first_s[0], run.first_s[1]});
   rep.nodes = buffer.num_nodes();
   if (rep.nodes > 1) {

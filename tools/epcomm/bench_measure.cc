@@ -106,4 +106,12 @@ double peak_rss_mb() {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;
 }
 
+double pss_mb() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  std::string line;
+  while (std::getline(rollup, line))
+    if (line.rfind("Pss:", 0) == 0) return std::stod(line.substr(4)) / 1024.0;  // "Pss:  123 kB"
+  return 0;
+}
+
 }  // namespace epcomm::cli

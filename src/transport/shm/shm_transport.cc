@@ -17,6 +17,7 @@
 #include "common/check.h"
 #include "common/env.h"
 #include "epcomm/bootstrap.h"
+#include "tensor/output_arena.h"
 #include "transport/transport.h"
 
 #if defined(__x86_64__)
@@ -41,9 +42,12 @@ long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
 }
 
+struct SegmentRef;
+
 class ShmTransport final : public Transport {
  public:
-  ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks);
+  ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks,
+               ArenaRequest arena);
   ~ShmTransport() override;
 
   int rank() const override { return rank_; }
@@ -53,6 +57,8 @@ class ShmTransport final : public Transport {
   uint32_t doorbell() const override { return header(rank_)->doorbell.load(std::memory_order_seq_cst); }
   bool wait_doorbell(uint32_t seen, Clock::time_point until) const override;
   void notify(int r) const override;
+  std::shared_ptr<OutputArena> output_arena() const override { return own_arena_; }
+  uint8_t* arena(int r) const override { return arenas_[r]; }
 
  private:
   ShmHeader* header(int r) const { return reinterpret_cast<ShmHeader*>(maps_[r]); }
@@ -60,17 +66,44 @@ class ShmTransport final : public Transport {
   // Creates our segment (a memfd, or a name in /dev/shm) and maps every rank's. false: some rank could not
   // open some memfd and `must` is false (every rank then returns false and has released everything).
   bool attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must);
+  void attach_own_arena(int fd, size_t total, SegmentRef& mine);
 
   int rank_, size_;
   int spins_;  // polls before sleeping: a waiter only spins when every rank can have its own core
   size_t bytes_;
+  ArenaRequest arena_req_;
   std::vector<uint8_t*> maps_;
+  std::vector<size_t> map_bytes_;  // what maps_[r] covers: the segment, and a peer's arena after it
+  std::vector<uint8_t*> arenas_;   // every rank's output arena as mapped here (own: own_arena_'s), or null
+  std::shared_ptr<OutputArena> own_arena_;
   std::vector<std::string> names_;
 };
+
+// The arena starts at the first page boundary after the segment, in the same file.
+size_t arena_file_offset(size_t segment_total) {
+  return (segment_total + OutputArena::kPage - 1) / OutputArena::kPage * OutputArena::kPage;
+}
+// Freed arena memory kept for reuse at most (as the default allocator's cache).
+constexpr size_t kArenaCacheBytes = size_t{4} << 30;
 
 // Maps the page tables of the first kPeerHotBytes of a peer's segment now (the pages exist: their owner
 // wrote them through), so that the first call does not take those minor faults one by one.
 constexpr size_t kPeerHotBytes = size_t{16} << 20;
+// Makes the first `bytes` of a peer's arena (pages its owner wrote through) as cheap to write from here as
+// later: page-table entries in one batch, then one load per page, because on some virtual machines (the
+// development VM among them) the first access to a page through a new mapping costs several microseconds
+// even with its entry present (measured: a first streaming-store pass over 470 MB through a fresh, populated
+// mapping took 0.7-0.9 s, the next ones 20-30 ms; after one load per page the first took 22-25 ms).
+void warm_peer_range(uint8_t* p, size_t bytes) {
+  if (!bytes) return;
+#ifdef MADV_POPULATE_WRITE
+  (void)madvise(p, bytes, MADV_POPULATE_WRITE);  // older kernels: the loads below fault the entries in
+#endif
+  uint8_t sink = 0;
+  for (size_t off = 0; off < bytes; off += 4096) sink ^= *static_cast<volatile const uint8_t*>(p + off);
+  (void)sink;
+}
+
 void populate_start(uint8_t* p, size_t total) {
   const size_t hot = std::min(total, kPeerHotBytes);
 #ifdef MADV_POPULATE_READ
@@ -89,6 +122,8 @@ struct SegmentRef {
   int32_t pad;
   uint64_t dev;
   uint64_t ino;
+  uint64_t arena_bytes;    // 0: no output arena (after the segment, at arena_file_offset)
+  uint64_t arena_reserve;  // its first bytes written through by the owner: peers populate their view
   char name[kNameBytes];
 };
 
@@ -125,8 +160,15 @@ int open_peer(const SegmentRef& ref, std::string& what) {
   return fd;
 }
 
-ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks)
-    : rank_(bootstrap.rank()), size_(bootstrap.size()), bytes_(segment_bytes), maps_(size_, nullptr) {
+ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance, int host_ranks,
+                           ArenaRequest arena)
+    : rank_(bootstrap.rank()),
+      size_(bootstrap.size()),
+      bytes_(segment_bytes),
+      arena_req_(arena),
+      maps_(size_, nullptr),
+      map_bytes_(size_, 0),
+      arenas_(size_, nullptr) {
   spins_ = env::spin_count(host_ranks > 0 ? host_ranks : size_);
   const std::string mode = env::shm_mode();
   const bool named = mode == "named" || !attach(bootstrap, instance, /*memfd=*/true, mode == "memfd");
@@ -143,8 +185,10 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
     if (own_fd != -1) close(own_fd);
     own_fd = -1;
     for (int r = 0; r < size_; ++r)
-      if (maps_[r]) munmap(maps_[r], total);
+      if (maps_[r]) munmap(maps_[r], map_bytes_[r]);
     std::fill(maps_.begin(), maps_.end(), nullptr);
+    std::fill(arenas_.begin(), arenas_.end(), nullptr);
+    own_arena_.reset();
   };
   try {
     SegmentRef mine{};
@@ -183,8 +227,10 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
       if (p == MAP_FAILED)
         EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
       maps_[rank_] = static_cast<uint8_t*>(p);
+      map_bytes_[rank_] = total;
       // Write through the whole segment once: first-touch faults are paid here, not by the first dispatch.
       std::memset(p, 0, total);
+      attach_own_arena(own_fd, total, mine);
     }
 
     const std::vector<SegmentRef> refs = gather_refs(bootstrap, mine);
@@ -206,12 +252,26 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
       // Only the start of a peer's segment is populated (control words, headers and the engine's windows
       // live there); the rest enters this process's page tables, and its resident set, where this rank
       // touches it. Populating everything would count every peer's whole segment in every rank's RSS.
-      void* q = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
+      // A peer's arena is mapped with its segment (address space only: pages exist where the peer wrote).
+      const size_t span = refs[r].arena_bytes ? arena_file_offset(total) + refs[r].arena_bytes : total;
+      void* q = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, pfd, 0);
       close(pfd);
       if (q == MAP_FAILED)
-        EPCOMM_THROW(SystemError, "mmap of rank ", r, "'s segment failed: ", std::strerror(errno));
+        EPCOMM_THROW(
+            SystemError, "mmap of rank ", r, "'s segment", refs[r].arena_bytes ? " and output arena" : "",
+            " (", span, " bytes of address space) failed: ", std::strerror(errno),
+            refs[r].arena_bytes ? " (BufferOptions::num_output_arena_bytes = 0 or EPCOMM_OUTPUT_ARENA=0 "
+                                  "turns the arenas off)"
+                                : "");
       maps_[r] = static_cast<uint8_t*>(q);
+      map_bytes_[r] = span;
       populate_start(maps_[r], total);
+      if (refs[r].arena_bytes) {
+        arenas_[r] = maps_[r] + arena_file_offset(total);
+        // The peer wrote its reserve through: map those pages here now, not one fault at a time in the
+        // first dispatch that writes rows into them.
+        warm_peer_range(arenas_[r], std::min<uint64_t>(refs[r].arena_reserve, refs[r].arena_bytes));
+      }
     }
     // Every rank learns which rank, if any, could not open which segment (this is also the barrier after
     // which the names and the memfds are no longer needed).
@@ -252,7 +312,27 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
 ShmTransport::~ShmTransport() {
   unlink_all();
   for (int r = 0; r < size_; ++r)
-    if (maps_[r]) munmap(maps_[r], bytes_ + kShmHeaderBytes);
+    if (maps_[r]) munmap(maps_[r], map_bytes_[r]);
+}
+
+// Our output arena: the file grows (sparsely) by the arena, mapped on its own so that it outlives the
+// transport while outputs carved from it are alive. Without address space for it the Buffer simply has
+// no arena (its outputs come from its allocator and dispatch copies as without one).
+void ShmTransport::attach_own_arena(int fd, size_t total, SegmentRef& mine) {
+  if (arena_req_.bytes == 0) return;
+  const size_t bytes = arena_req_.bytes / OutputArena::kPage * OutputArena::kPage;
+  const size_t at = arena_file_offset(total);
+  if (ftruncate(fd, static_cast<off_t>(at + bytes)) != 0)
+    EPCOMM_THROW(SystemError, "cannot extend the shared-memory segment by an output arena of ", bytes,
+                 " bytes: ", std::strerror(errno));
+  void* a =
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, static_cast<off_t>(at));
+  if (a == MAP_FAILED) return;  // (the file stays longer: sparse, nothing maps that part)
+  own_arena_ = std::make_shared<OutputArena>(static_cast<uint8_t*>(a), bytes, kArenaCacheBytes);
+  arenas_[rank_] = own_arena_->base();
+  mine.arena_bytes = bytes;
+  const size_t reserve = std::min(arena_req_.reserve, bytes);
+  if (reserve) mine.arena_reserve = own_arena_->reserve(reserve) == 0 ? reserve : 0;
 }
 
 void ShmTransport::unlink_all() noexcept {
@@ -292,8 +372,8 @@ void ShmTransport::notify(int r) const {
 }  // namespace
 
 std::unique_ptr<Transport> make_shm_transport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t instance,
-                                              int host_ranks) {
-  return std::make_unique<ShmTransport>(bootstrap, segment_bytes, instance, host_ranks);
+                                              int host_ranks, ArenaRequest arena) {
+  return std::make_unique<ShmTransport>(bootstrap, segment_bytes, instance, host_ranks, arena);
 }
 
 }  // namespace epcomm

@@ -1,0 +1,66 @@
+// tensor/output_arena.h — a rank's output arena: one shared-memory range (a mapping of its segment's memfd,
+// which every peer on the host maps too) that a Buffer's outputs are carved from, so that a peer can write a
+// dispatched row straight into its final place in this rank's output (docs/design.md, "Output arena").
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "epcomm/tensor.h"
+
+namespace epcomm {
+
+// Thread-safe. Blocks are whole pages; a freed block keeps its pages for the next output (no first-touch
+// faults, and the peers' page tables stay valid), up to `cache_limit` bytes of freed memory, beyond which
+// freed pages are returned to the system (MADV_REMOVE). Blocks keep the arena (and its mapping) alive.
+class OutputArena : public std::enable_shared_from_this<OutputArena> {
+ public:
+  // Takes over the mapping [base, base + bytes) (munmapped when the arena and every block are gone).
+  OutputArena(uint8_t* base, size_t bytes, size_t cache_limit);
+  ~OutputArena();
+  OutputArena(const OutputArena&) = delete;
+  OutputArena& operator=(const OutputArena&) = delete;
+
+  // A contiguous tensor in the arena, or an undefined Tensor when no free range holds it.
+  Tensor allocate(DType dtype, const Shape& shape);
+  // Writes through `bytes` (rounded up to pages) at the lowest free offset and keeps them as a freed block,
+  // so that the next outputs of that size land on pages that exist. Returns the block's offset (0 on a
+  // fresh arena; peers populate their view of it), or -1 when the arena cannot hold it.
+  int64_t reserve(size_t bytes);
+
+  uint8_t* base() const { return base_; }
+  size_t bytes() const { return bytes_; }
+  // Offset of [p, p + n) in the arena, or -1 when it does not lie inside.
+  int64_t offset_of(const void* p, size_t n) const;
+
+  // Bookkeeping, for tests: bytes handed out and not freed; freed bytes that keep their pages.
+  size_t live_bytes() const;
+  size_t cached_bytes() const;
+
+  static constexpr size_t kPage = 4096;
+
+ private:
+  struct Range {
+    size_t offset, size;
+  };
+  void release(size_t offset, size_t size);
+  // Takes [offset, offset + size) out of a free list (best fit); false when none holds `size`.
+  static bool take(std::map<size_t, size_t>& by_offset, std::multimap<size_t, size_t>& by_size, size_t size,
+                   size_t& offset);
+  static void insert(std::map<size_t, size_t>& by_offset, std::multimap<size_t, size_t>& by_size,
+                     size_t offset, size_t size);
+
+  uint8_t* base_;
+  size_t bytes_, cache_limit_;
+  mutable std::mutex m_;
+  // Two free lists: `hot` ranges have their pages (freed blocks), `cold` ones do not (never used, or
+  // returned to the system). Each is kept coalesced; by_offset: offset -> size, by_size: size -> offset.
+  std::map<size_t, size_t> hot_, cold_;
+  std::multimap<size_t, size_t> hot_size_, cold_size_;
+  size_t hot_bytes_ = 0, live_bytes_ = 0;
+};
+
+}  // namespace epcomm
