@@ -7,6 +7,7 @@
 #include "common/env.h"
 #include "quant/row.h"
 #include "routing/layout.h"
+#include "tensor/output_arena.h"
 
 namespace epcomm {
 namespace {
@@ -403,12 +404,18 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   in.hidden = x.size(1);
   in.x = x.data_as<uint8_t>();
   in.keep.push_back(x);
-  // x in this rank's shared combine-input area: the origins read its rows in place (one node only).
+  // x in this rank's shared combine-input area, or in its output arena (an output of this Buffer, e.g. the
+  // dispatched recv_x itself): the origins read its rows in place (one node only).
   if (b.input_bytes > 0 && !b.inter && x.nbytes() > 0) {
     const uint8_t* area = b.input_area();
     if (in.x >= area && in.x + x.nbytes() <= area + b.input_bytes)
       in.shared_offset = static_cast<int64_t>(b.input_offset) + (in.x - area);
   }
+  if (in.shared_offset < 0 && !b.inter && x.nbytes() > 0)
+    if (const auto arena = b.transport->output_arena()) {
+      in.shared_offset = arena->offset_of(in.x, x.nbytes());
+      in.shared_in_arena = in.shared_offset >= 0;
+    }
   const int64_t T = hd.num_tokens;
   const int K = hd.num_topk;
   if (hd.order == ReceiveOrder::expert_major) {

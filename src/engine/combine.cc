@@ -377,6 +377,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   std::copy(std::begin(in.chunks), std::end(in.chunks), h.chunks);
   Internode* inter = ctx.internode();
   h.input_offset = inter ? -1 : in.shared_offset;  // across nodes copies always travel
+  if (!inter && in.shared_offset >= 0 && in.shared_in_arena) h.flags |= kInputInArena;
   const int M = inter ? inter->topo.num_nodes : 1;
   if (inter) {  // proxies learn which ranks of their node hold copies of our tokens
     h.num_counts = hd.num_experts + R;

@@ -22,6 +22,7 @@ struct CombineInput {
   // the start of this rank's segment. On one node, holders then pass row indices instead of copying rows, and
   // each origin reads the rows of its tokens straight from the holders' areas (one read per copy).
   int64_t shared_offset = -1;
+  bool shared_in_arena = false;  // shared_offset counts from the start of this rank's output arena instead
   CopyCounters* counters = nullptr;  // optional
   // expert_major: weights used per own (t, k) ([T*K], already masked to +0 at -1 slots).
   std::vector<float> weights_used;

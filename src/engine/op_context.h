@@ -70,11 +70,12 @@ class OpContext {
     return seg(r) + layout_.data;
   }
   // Rank r's shared input of this call (its dispatch x or its combine expert outputs, in one of its segment's
-  // input areas; header input_offset), or null when r's input is private or the Buffer spans nodes (then
-  // inputs always travel as copies).
+  // input areas or, kInputInArena, in its output arena; header input_offset), or null when r's input is
+  // private or the Buffer spans nodes (then inputs always travel as copies).
   const uint8_t* shared_input(int r) const {
     const int64_t off = header(r)->input_offset;
-    return off >= 0 && !inter_ ? seg(r) + off : nullptr;
+    if (off < 0 || inter_) return nullptr;
+    return (header(r)->flags & kInputInArena) ? tp_.arena(r) + off : seg(r) + off;
   }
   // Rings the doorbell of whoever waits for what this rank wrote for `r` (r itself, or its proxy here).
   void notify(int r) const;

@@ -32,6 +32,9 @@ constexpr uint32_t kHasTopk = 1, kHasWeights = 2, kHasBias = 4, kHasInRank = 8;
 // Dispatch: this rank's outputs come from its output arena and its rows can be pushed (one node, fresh,
 // plain rows, private x). When every rank says so, senders write rows straight into the receivers' recv_x.
 constexpr uint32_t kPushRows = 16;
+// input_offset counts from the start of this rank's output arena, not of its segment (combine: x is, or lies
+// in, an output of this Buffer, e.g. the dispatched recv_x fed back by in-place experts).
+constexpr uint32_t kInputInArena = 32;
 
 // One collective call's header: parameters that must match across ranks, this rank's validation status
 // and message. Written with plain stores, then `seq` is released; readers acquire `seq` first.

@@ -168,7 +168,7 @@ MR_CASE("dispatch_shared_input", {}) {
   const bool pushes = buf.num_output_arena_bytes() > 0;
   REQUIRE(pushes == (one_node && env_arena_on()), "num_output_arena_bytes ", buf.num_output_arena_bytes());
   Buffer::CopyCounters c0 = buf.copy_counters();
-  buf.dispatch(args);
+  DispatchResult d = buf.dispatch(args);
   Buffer::CopyCounters c1 = buf.copy_counters();
   check_scalar<int64_t>("private x: dispatch_staged_tokens",
                         c1.dispatch_staged_tokens - c0.dispatch_staged_tokens, pushes ? 0 : T);
@@ -176,6 +176,22 @@ MR_CASE("dispatch_shared_input", {}) {
                         c1.dispatch_pushed_tokens - c0.dispatch_pushed_tokens, pushes ? T : 0);
   check_scalar<int64_t>("private x: dispatch_in_place_tokens",
                         c1.dispatch_in_place_tokens - c0.dispatch_in_place_tokens, 0);
+  {  // recv_x fed back lies in the output arena: the origins read it in place, no holder copies a row
+    CombineArgs c;
+    c.x = d.recv_x.data;
+    c.handle = d.handle;
+    buf.combine(c);
+    const Buffer::CopyCounters c2 = buf.copy_counters();
+    const int64_t copied = c2.combine_copied_rows - c1.combine_copied_rows,
+                  in_place = c2.combine_in_place_rows - c1.combine_in_place_rows;
+    int64_t held = 0;  // rows of other ranks' tokens (a rank's own rows are not counted either way)
+    const std::vector<int64_t> per_source = d.handle->num_recv_rows_per_source();
+    for (int s = 0; s < ctx.size; ++s) held += s == ctx.rank ? 0 : per_source[s];
+    REQUIRE(pushes ? copied == 0 && (in_place > 0 || held == 0) : in_place == 0 && (copied > 0 || held == 0),
+            "recv_x fed back: ", copied, " rows copied, ", in_place, " read in place (", held,
+            " rows of other ranks held; output arena ", pushes ? "on" : "off", ")");
+    c1 = c2;
+  }
   Tensor sx = buf.get_dispatch_input(T, 64);
   if (sx.nbytes()) std::memcpy(sx.data(), args.x.data.data(), sx.nbytes());
   args.x.data = sx;

@@ -64,10 +64,15 @@ const char* kBenchEpilog =
     "peak_rss_mb_per_rank, pss_mb, dispatch_rows.\n\n"
     "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
     "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call.\n\n"
-    "combine_input: shared when every combine read its x from Buffer::get_combine_input (with\n"
-    "--combine-input shared: the Buffer gets num_combine_input_bytes for tokens x topk rows + 25%, and the\n"
-    "dispatched rows are copied there untimed, as an expert would write its outputs; on one node the\n"
-    "origins then read every copy in place), private (the default) when x was the dispatched tensor.\n"
+    "combine_input: where combine's x was and how it travelled (Buffer::copy_counters): shared when every\n"
+    "combine read it in place from Buffer::get_combine_input (--combine-input shared: the Buffer gets\n"
+    "num_combine_input_bytes for tokens x topk rows + 25%, and the dispatched rows are copied there "
+    "untimed,\n"
+    "as an expert would write its outputs), arena when x was the dispatched tensor itself (the default) and\n"
+    "the origins read it in place from the holders' output arenas (one node), private when that tensor's\n"
+    "rows were copied by their holders (several nodes, or no output arena), copy when x was an untimed\n"
+    "copy of the dispatched rows into a fresh private tensor (--combine-input copy: what an expert that\n"
+    "writes a new output tensor hands to combine; the holders copy its rows).\n"
     "dispatch_input: shared when every dispatch of the line had its receivers read the rows in place\n"
     "(Buffer::copy_counters; with --dispatch-input shared the tokens are written once, untimed, into\n"
     "Buffer::get_dispatch_input; a quantizing --quant or several nodes still stage), else private.\n"
@@ -134,6 +139,7 @@ struct BenchOptions {
   int threads = 1;              // resolved: copy threads per rank, for epcomm and the memcpy limit
   std::string plot;             // --plot FILE.svg, or ""
   bool shared_input = false;    // --combine-input shared: combine reads x from Buffer::get_combine_input
+  bool copy_input = false;      // --combine-input copy: x is a fresh private copy of the dispatched rows
   bool shared_dispatch_input = false;  // --dispatch-input shared: dispatch reads x from get_dispatch_input
   int64_t output_reserve = -1;         // --output-reserve: BufferOptions::num_output_reserve_bytes; -1 = auto
 };
@@ -195,6 +201,7 @@ struct OrderRun {
   int64_t shared_input = 0;           // 1: every combine read x from the shared combine-input area
   int64_t shared_dispatch_input = 0;  // 1: every dispatch's receivers read its rows in place (copy counters)
   int64_t pushed_dispatch = 0;        // 1: every dispatch pushed its rows into the receivers' outputs
+  int64_t combine_in_place = 0;       // 1: no combine copied a row: the origins read every x in place
   double pss_mb = 0;                  // after epcomm's first iteration, its outputs alive
   double first_s[2] = {0, 0};         // the first (warm-up) iteration's dispatch and combine times
   double peak_rss_mb = 0;             // after epcomm's first iteration, before the baseline's buffers exist
@@ -304,6 +311,11 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     const double td = now_s() - t0;
     CombineArgs ca;
     ca.x = combine_input(ro, *d);
+    if (o.copy_input) {  // a fresh private tensor, written untimed, as an expert's new output would be
+      Tensor cx = empty(ca.x.dtype(), ca.x.shape());
+      if (cx.nbytes()) std::memcpy(cx.data(), ca.x.data(), cx.nbytes());
+      ca.x = cx;
+    }
     if (o.shared_input) {  // the expert outputs written into the shared area (untimed, like the experts)
       // The area is sized for typical routing; a call whose rows exceed it uses the dispatched tensor.
       Tensor sx;
@@ -348,6 +360,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       copies_after.dispatch_in_place_tokens - copies_before.dispatch_in_place_tokens == all_tokens;
   run.pushed_dispatch =
       copies_after.dispatch_pushed_tokens - copies_before.dispatch_pushed_tokens == all_tokens;
+  run.combine_in_place = copies_after.combine_copied_rows == copies_before.combine_copied_rows;
   if (!with_baseline) return run;
 
   std::unique_ptr<AlltoallvBaseline> baseline = make_baseline(ro, order, bs, in, buffer);
@@ -408,8 +421,8 @@ struct OrderReport {
   int nodes = 1;
   double link_gbps = 0;
 };
-constexpr int kCounts =
-    9;  // per rank: rows, bytes (2), ok, baseline ok (2), shared inputs (combine, dispatch), pushed rows
+constexpr int kCounts = 10;  // per rank: rows, bytes (2), ok, baseline ok (2), shared inputs (combine,
+                             // dispatch), pushed rows, combine read in place
 
 const char* launcher_name(Launcher l) {
   return l == Launcher::fork ? "fork" : l == Launcher::threads ? "threads" : "mpi";
@@ -422,11 +435,13 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   int64_t rows = 0, dbytes = 0, cbytes = 0;
   bool verified = true, baseline_verified[2] = {true, true}, shared = true, shared_dispatch = true;
   int pushed = 0, in_place = 0;  // ranks whose every dispatch pushed / was read in place
+  bool combine_in_place = true;
   for (int s = 0; s < R; ++s) {
     shared = shared && rep.counts[s * kCounts + 6] == 1;
     shared_dispatch = shared_dispatch && rep.counts[s * kCounts + 7] == 1;
     in_place += rep.counts[s * kCounts + 7] == 1;
     pushed += rep.counts[s * kCounts + 8] == 1;
+    combine_in_place = combine_in_place && rep.counts[s * kCounts + 9] == 1;
     rows += rep.counts[s * kCounts + 0];
     dbytes += rep.counts[s * kCounts + 1];
     cbytes += rep.counts[s * kCounts + 2];
@@ -512,7 +527,10 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
     }
     j.add("verified", verified)
         .add("dispatch_input", shared_dispatch ? "shared" : "private")
-        .add("combine_input", shared ? "shared" : "private")
+        .add("combine_input", shared && combine_in_place ? "shared"
+                              : o.copy_input             ? "copy"
+                              : combine_in_place         ? "arena"
+                                                         : "private")
         .add("segment_bytes", segment_bytes)
         .add("output_reserve_bytes", o.output_reserve)
         .add("first_iter_us", first_us, 1)
@@ -547,7 +565,7 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
   rep.counts = all_gather_values(
       bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
                                run.baseline_dispatch_ok, run.baseline_combine_ok, run.shared_input,
-                               run.shared_dispatch_input, run.pushed_dispatch});
+                               run.shared_dispatch_input, run.pushed_dispatch, run.combine_in_place});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
   rep.pss_mb = all_gather_values(bs, std::vector<double>{run.pss_mb});
   rep.first_s = all_gather_values(bs, std::vector<double>{run.first_s[0], run.first_s[1]});
@@ -716,9 +734,11 @@ int run_bench(int argc, char** argv) {
         "copy threads per rank: Config::num_threads of dispatch and combine, and the "
         "memcpy limit's threads; 0 = the library default (hardware threads / ranks)");
   p.add("plot", "FILE.svg", "", "also draw GB/s against tokens per rank (epcomm, baseline, memcpy) as SVG");
-  p.add("combine-input", "shared|private", "private",
-        "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (origins read the "
-        "rows in place on one node), private = the dispatched tensor itself");
+  p.add(
+      "combine-input", "shared|private|copy", "private",
+      "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (origins read the "
+      "rows in place on one node), private = the dispatched tensor itself (in the output arena on one node: "
+      "read in place too), copy = a fresh private copy of it, written untimed (its holders copy the rows)");
   p.add("dispatch-input", "shared|private", "private",
         "where dispatch's x (the tokens) lives: shared = Buffer::get_dispatch_input (written there once, "
         "untimed; receivers read the rows in place on one node, nothing is staged), private = an ordinary "
@@ -743,7 +763,9 @@ int run_bench(int argc, char** argv) {
   const int64_t alignment = p.integer("expert-alignment", 1, int64_t{1} << 20);
   o.threads_flag = static_cast<int>(p.integer("threads", 0, 1024));
   o.plot = p.str("plot");
-  o.shared_input = p.choice("combine-input", {"shared", "private"}) == "shared";
+  const std::string combine_in = p.choice("combine-input", {"shared", "private", "copy"});
+  o.shared_input = combine_in == "shared";
+  o.copy_input = combine_in == "copy";
   o.shared_dispatch_input = p.choice("dispatch-input", {"shared", "private"}) == "shared";
   if (p.str("output-reserve") != "auto") o.output_reserve = p.bytes("output-reserve");
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
