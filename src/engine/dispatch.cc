@@ -593,16 +593,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
             if (my_dest_tokens[p] > 0 && p != me && !ctx.remote(p)) ctx.notify(p);
           progressed = true;
         }
-        // Our rows, once every receiver's recv_x is out (after the routing, which they read meanwhile).
-        if (push_left > 0) {
-          std::vector<char> now(R, 0);
-          bool any = false;
-          for (int d = 0; d < R; ++d) any |= now[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
-          if (any) {
-            push_rows(now);
-            progressed = true;
-          }
-        }
         // Done once every window is staged and acknowledged (so that the next call may reuse the area)
         // and every source's windows are pulled.
         bool all = staged == my_nwin && can_stage(my_nwin + 1) && push_left == 0;
@@ -623,6 +613,17 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
             done_us[s] =
                 std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
           all = all && done;
+        }
+        // Our rows, to every receiver whose recv_x is out. After the routing windows above: the metadata
+        // of the rows we receive is filled (and acknowledged) before our long pass, not after it.
+        if (push_left > 0) {
+          std::vector<char> now(R, 0);
+          bool any = false;
+          for (int d = 0; d < R; ++d) any |= now[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
+          if (any) {
+            push_rows(now);
+            progressed = true;  // (`all` above already counted this pass as pending)
+          }
         }
         return all;
       },
