@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <optional>
 
 #include "engine/forward.h"
@@ -73,6 +75,29 @@ struct Outputs {
 void poison(const Tensor& t, bool on) {
   if (on && t.nbytes()) std::memset(t.data(), 0xFF, t.nbytes());
 }
+
+// A recv_x published to the senders stays reserved if the call fails: a peer that has not noticed the failure
+// may still be writing rows into it, so its memory must never back another output. Kept until the process
+// exits (a failed Buffer cannot be used again anyway).
+class QuarantineOnFailure {
+ public:
+  explicit QuarantineOnFailure(const Tensor& t) : t_(t), exceptions_(std::uncaught_exceptions()) {}
+  ~QuarantineOnFailure() {
+    if (!armed_ || std::uncaught_exceptions() == exceptions_) return;
+    static std::mutex m;
+    static auto* kept = new std::vector<Tensor>();  // never destroyed: peers may outlive static destructors
+    std::lock_guard<std::mutex> lk(m);
+    kept->push_back(t_);
+  }
+  void arm() { armed_ = true; }
+  QuarantineOnFailure(const QuarantineOnFailure&) = delete;
+  QuarantineOnFailure& operator=(const QuarantineOnFailure&) = delete;
+
+ private:
+  const Tensor& t_;
+  int exceptions_;
+  bool armed_ = false;
+};
 
 }  // namespace
 
@@ -367,6 +392,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     for (int64_t r = 0; r < rows; ++r)
       if (src[r] < 0) o.fill_empty(r, r + 1);
   }
+  QuarantineOnFailure quarantine(out.recv_x.data);
   if (push) {  // our recv_x is ready (PAD rows and poison written): the senders may write into it now
     const int64_t off = arena_offset(out.recv_x.data);
     EPCOMM_CHECK(
@@ -374,6 +400,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         "allocator: Allocator::adopt returned memory outside this rank's "
         "output arena for recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
     o.pushed = true;
+    quarantine.arm();
     ctx.control(me)->out_offset = off;
     ctx.control(me)->out_ready.store(pack(seq, 1), std::memory_order_release);
     for (int s = 0; s < R; ++s)
