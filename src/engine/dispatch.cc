@@ -76,6 +76,26 @@ void poison(const Tensor& t, bool on) {
   if (on && t.nbytes()) std::memset(t.data(), 0xFF, t.nbytes());
 }
 
+// The rows one token of a source occupies on receiver d, in the order the receiver numbers them: the single
+// rule the receiver (filling its outputs) and, with pushed rows, the sender (writing the payload) share.
+// expert_major: one row per top-k slot whose expert d hosts, in slot order, at next[local expert]++;
+// rank_major: one row when any slot's expert is on d, at next[0]++. f(row, k): k is the slot (expert_major)
+// or -1. `next` is d's cursor array for this source (L entries, or one).
+template <typename F>
+void for_each_row(const routing::ExpertMap& map, bool by_expert, const int32_t* ids, int K, int d,
+                  int64_t* next, F&& f) {
+  if (by_expert) {
+    for (int k = 0; k < K; ++k)
+      if (ids[k] >= 0 && map.rank_of(ids[k]) == d) f(next[map.local_of(ids[k])]++, k);
+    return;
+  }
+  for (int k = 0; k < K; ++k)
+    if (ids[k] >= 0 && map.rank_of(ids[k]) == d) {
+      f(next[0]++, -1);
+      return;
+    }
+}
+
 // A recv_x published to the senders stays reserved if the call fails: a peer that has not noticed the failure
 // may still be writing rows into it, so its memory must never back another output. Kept until the process
 // exits (a failed Buffer cannot be used again anyway).
@@ -167,8 +187,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   size_t lane_half = 0, net_meta = 0;  // net_meta: routing bytes per compact entry
   DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half, net_meta);
   int64_t W = geo.window;
-  const int64_t row_window =
-      W;  // the capacity rule holds for the staged record, whether or not rows are pushed
+  // The capacity rule (spec §2.3) holds for the staged record, whether or not the rows are pushed.
+  const int64_t row_window = W;
   int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
   uint8_t* my_area = ctx.data(me);
   const RowFormat& f = in.format;
@@ -488,24 +508,15 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         next[d] = push_start[d][me];
     }
     const size_t bytes = f.data_row_bytes;
-    std::vector<int64_t> last_token(R, -1);
     for (int64_t t = 0; t < in.num_tokens; ++t) {
       const uint8_t* x = in.x + t * in.x_row_bytes;
-      if (K == 0) {
-        for (int d = 0; d < R; ++d)
-          if (now[d] && in.in_rank[t * R + d]) copy_row(dest[d] + next[d]++ * bytes, x, bytes, false);
-        continue;
-      }
-      for (int k = 0; k < K; ++k) {
-        const int32_t e = in.ids[t * K + k];
-        if (e < 0) continue;
-        const int d = map.rank_of(e);
+      for (int d = 0; d < R; ++d) {
         if (!now[d]) continue;
-        if (by_expert) {
-          copy_row(dest[d] + next_e[d][map.local_of(e)]++ * bytes, x, bytes, false);
-        } else if (last_token[d] != t) {  // rank_major: one row per receiver
-          last_token[d] = t;
-          copy_row(dest[d] + next[d]++ * bytes, x, bytes, false);
+        auto write = [&](int64_t row, int) { copy_row(dest[d] + row * bytes, x, bytes, false); };
+        if (K == 0) {
+          if (in.in_rank[t * R + d]) write(next[d]++, -1);
+        } else {
+          for_each_row(map, by_expert, &in.ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d], write);
         }
       }
     }
@@ -563,36 +574,25 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         idp = ids;
         wp = ws;
       }
-      if (in.order == ReceiveOrder::expert_major) {
-        for (int k = 0; k < K; ++k) {
-          int32_t e = idp[k];
-          if (e < 0 || map.rank_of(e) != me) continue;
-          int j = map.local_of(e);
-          int64_t row = cursor[static_cast<size_t>(s) * L + j]++;
-          o.copy_payload(row, payload);
-          for (int kk = 0; kk < K; ++kk) o.set_idx(row, kk, kk == k ? j : -1);
-          for (int kk = 0; kk < K; ++kk) o.weights[row * K + kk] = kk == k ? wp[k] : 0.0f;
-          o.src_rank[row] = s;
-          o.src_token[row] = static_cast<int32_t>(t);
-          o.src_slot[row] = k;
-          nh->source_rows[src_fill[s]++] = static_cast<int32_t>(row);
-        }
-      } else {
-        bool mine = false;
-        for (int k = 0; k < K; ++k) mine |= idp[k] >= 0 && map.rank_of(idp[k]) == me;
-        if (!mine) continue;
-        int64_t row = cursor[s]++;
+      const bool by_expert = in.order == ReceiveOrder::expert_major;
+      int64_t* next = &cursor[by_expert ? static_cast<size_t>(s) * L : static_cast<size_t>(s)];
+      for_each_row(map, by_expert, idp, K, me, next, [&](int64_t row, int k) {
         o.copy_payload(row, payload);
-        for (int k = 0; k < K; ++k) {
-          bool here = idp[k] >= 0 && map.rank_of(idp[k]) == me;
-          o.set_idx(row, k, here ? idp[k] - me * L : -1);
-          o.weights[row * K + k] = here ? wp[k] : 0.0f;
+        if (by_expert) {  // the row of slot k: its local expert there, -1 and +0 elsewhere
+          for (int kk = 0; kk < K; ++kk) o.set_idx(row, kk, kk == k ? map.local_of(idp[k]) : -1);
+          for (int kk = 0; kk < K; ++kk) o.weights[row * K + kk] = kk == k ? wp[k] : 0.0f;
+        } else {  // the token's row: every slot whose expert is here
+          for (int kk = 0; kk < K; ++kk) {
+            const bool here = idp[kk] >= 0 && map.rank_of(idp[kk]) == me;
+            o.set_idx(row, kk, here ? idp[kk] - me * L : -1);
+            o.weights[row * K + kk] = here ? wp[kk] : 0.0f;
+          }
         }
         o.src_rank[row] = s;
         o.src_token[row] = static_cast<int32_t>(t);
-        o.src_slot[row] = -1;
+        o.src_slot[row] = k;
         nh->source_rows[src_fill[s]++] = static_cast<int32_t>(row);
-      }
+      });
     }
   };
 
