@@ -12,8 +12,10 @@ namespace epcomm::routing {
 // Expert ownership: experts map to ranks in contiguous blocks of L = E / R.
 struct ExpertMap {
   int num_experts = 0, num_ranks = 1, num_local = 0;
-  int rank_of(int64_t e) const { return static_cast<int>(e / num_local); }
-  int local_of(int64_t e) const { return static_cast<int>(e % num_local); }
+  // 32-bit division (expert ids are below kMaxExperts): a 64-bit one cost several times more, and dispatch
+  // asks these once or twice per top-k slot of every token it receives.
+  int rank_of(int64_t e) const { return static_cast<int32_t>(e) / num_local; }
+  int local_of(int64_t e) const { return static_cast<int32_t>(e) % num_local; }
 };
 
 struct Layout {
