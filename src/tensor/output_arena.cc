@@ -27,8 +27,9 @@ bool OutputArena::take(std::map<size_t, size_t>& by_offset, std::multimap<size_t
   offset = it->second;
   by_size.erase(it);
   by_offset.erase(offset);
-  if (have > size) {  // the rest stays free where it is (already coalesced with nothing: its neighbours
-                      // were not free, or they would have been merged)
+  // The tail stays free in place. It needs no merging: the range was coalesced, so its right neighbour is
+  // not in this list.
+  if (have > size) {
     by_offset.emplace(offset + size, have - size);
     by_size.emplace(have - size, offset + size);
   }
