@@ -101,22 +101,21 @@ void for_each_row(const routing::ExpertMap& map, bool by_expert, const int32_t* 
 // exits (a failed Buffer cannot be used again anyway).
 class QuarantineOnFailure {
  public:
-  explicit QuarantineOnFailure(const Tensor& t) : t_(t), exceptions_(std::uncaught_exceptions()) {}
+  QuarantineOnFailure() : exceptions_(std::uncaught_exceptions()) {}
   ~QuarantineOnFailure() {
-    if (!armed_ || std::uncaught_exceptions() == exceptions_) return;
+    if (tensors_.empty() || std::uncaught_exceptions() == exceptions_) return;
     static std::mutex m;
     static auto* kept = new std::vector<Tensor>();  // never destroyed: peers may outlive static destructors
     std::lock_guard<std::mutex> lk(m);
-    kept->push_back(t_);
+    kept->insert(kept->end(), tensors_.begin(), tensors_.end());
   }
-  void arm() { armed_ = true; }
+  void add(const Tensor& t) { tensors_.push_back(t); }
   QuarantineOnFailure(const QuarantineOnFailure&) = delete;
   QuarantineOnFailure& operator=(const QuarantineOnFailure&) = delete;
 
  private:
-  const Tensor& t_;
+  std::vector<Tensor> tensors_;
   int exceptions_;
-  bool armed_ = false;
 };
 
 }  // namespace
@@ -195,15 +194,17 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // x in our shared dispatch-input area (one node, plain rows): receivers read the rows in place, the
   // windows carry only the routing (same geometry, so that every rank computes the same windows).
   const bool share_x = !inter && in.shared_offset >= 0 && !f.quantize && !in.scales;
-  // Whether our rows can be pushed (every rank must say so): outputs in our output arena, plain rows from
-  // private memory, a fresh dispatch on one node, no cost statistics asked for (pushed rows land only once
+  // Whether our rows can be pushed (every rank must say so): outputs in our output arena, x private (or
+  // quantized here), a fresh dispatch on one node, no cost statistics asked for (pushed rows land only once
   // every rank has arrived, so a late rank's delay would show in every element instead of its own: spec §7).
   Transport& tp = ctx.transport();
   const OutputArena* arena = tp.output_arena().get();
   auto arena_offset = [&](const Tensor& t) { return arena ? arena->offset_of(t.data(), t.nbytes()) : -1; };
-  const bool can_push = arena && !inter && !in.cached && !in.cost_stats && !share_x && !f.quantize &&
-                        !in.scales && f.scale_row_bytes == 0 && meta > 0 &&
-                        (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0);
+  // Quantizing senders quantize each token once and push its codes and scales; a (data, scales) input
+  // stages as before.
+  const bool can_push = arena && !inter && !in.cached && !in.cost_stats && !share_x && !in.scales &&
+                        meta > 0 && (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0) &&
+                        (!out.recv_x.scales || arena_offset(*out.recv_x.scales) >= 0);
   bool push = false;  // decided once the headers are in
   auto stage = [&](int64_t w) {
     uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
@@ -412,16 +413,23 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     for (int64_t r = 0; r < rows; ++r)
       if (src[r] < 0) o.fill_empty(r, r + 1);
   }
-  QuarantineOnFailure quarantine(out.recv_x.data);
+  QuarantineOnFailure quarantine;
   if (push) {  // our recv_x is ready (PAD rows and poison written): the senders may write into it now
     const int64_t off = arena_offset(out.recv_x.data);
     EPCOMM_CHECK(
         off >= 0, ctx.prefix(),
         "allocator: Allocator::adopt returned memory outside this rank's "
         "output arena for recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
+    const int64_t scale_off = out.recv_x.scales ? arena_offset(*out.recv_x.scales) : -1;
+    EPCOMM_CHECK(
+        !f.scale_row_bytes || scale_off >= 0, ctx.prefix(),
+        "allocator: Allocator::adopt returned memory outside this rank's output arena for the scales of "
+        "recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
     o.pushed = true;
-    quarantine.arm();
+    quarantine.add(out.recv_x.data);
+    if (out.recv_x.scales) quarantine.add(*out.recv_x.scales);
     ctx.control(me)->out_offset = off;
+    ctx.control(me)->out_scale_offset = scale_off;
     ctx.control(me)->out_ready.store(pack(seq, 1), std::memory_order_release);
     for (int s = 0; s < R; ++s)
       if (s != me && plan.rows_per_source[s] > 0) ctx.notify(s);
@@ -494,25 +502,35 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     return ctx.cell(me, s)->pushed.load(std::memory_order_acquire) >= pack(seq, 1);
   };
   auto push_rows = [&](const std::vector<char>& now) {
-    std::vector<uint8_t*> dest(R, nullptr);
+    std::vector<uint8_t*> dest(R, nullptr), dest_scales(R, nullptr);
     std::vector<int64_t> next(R, 0);              // rank_major: receiver d's next row for our tokens
     std::vector<std::vector<int64_t>> next_e(R);  // expert_major: per local expert of d
     const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
     for (int d = 0; d < R; ++d) {
       if (!now[d]) continue;
       dest[d] = tp.arena(d) + ctx.control(d)->out_offset;
+      if (f.scale_row_bytes) dest_scales[d] = tp.arena(d) + ctx.control(d)->out_scale_offset;
       if (by_expert)
         next_e[d].assign(push_start[d].begin() + static_cast<ptrdiff_t>(me) * L,
                          push_start[d].begin() + static_cast<ptrdiff_t>(me + 1) * L);
       else
         next[d] = push_start[d][me];
     }
-    const size_t bytes = f.data_row_bytes;
+    const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
+    std::vector<uint8_t> quantized(f.quantize ? bytes + scale_bytes : 0);  // one token's codes, then scales
     for (int64_t t = 0; t < in.num_tokens; ++t) {
       const uint8_t* x = in.x + t * in.x_row_bytes;
+      if (f.quantize) {  // once per token, whatever the number of its rows
+        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, quantized.data(),
+                            quantized.data() + bytes);
+        x = quantized.data();
+      }
       for (int d = 0; d < R; ++d) {
         if (!now[d]) continue;
-        auto write = [&](int64_t row, int) { copy_row(dest[d] + row * bytes, x, bytes, false); };
+        auto write = [&](int64_t row, int) {
+          copy_row(dest[d] + row * bytes, x, bytes, false);
+          if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, x + bytes, scale_bytes);
+        };
         if (K == 0) {
           if (in.in_rank[t * R + d]) write(next[d]++, -1);
         } else {

@@ -30,7 +30,8 @@ const char* op_kind_name(OpKind op);
 // Flags of HeaderData::flags.
 constexpr uint32_t kHasTopk = 1, kHasWeights = 2, kHasBias = 4, kHasInRank = 8;
 // Dispatch: this rank's outputs come from its output arena and its rows can be pushed (one node, fresh,
-// plain rows, private x). When every rank says so, senders write rows straight into the receivers' recv_x.
+// private or sender-quantized x). When every rank says so, senders write rows straight into the receivers'
+// recv_x.
 constexpr uint32_t kPushRows = 16;
 // input_offset counts from the start of this rank's output arena, not of its segment (combine: x is, or lies
 // in, an output of this Buffer, e.g. the dispatched recv_x fed back by in-place experts).
@@ -66,6 +67,7 @@ struct alignas(64) Control {
   // rank's output arena (senders may write into it then).
   std::atomic<uint64_t> out_ready;
   int64_t out_offset;
+  int64_t out_scale_offset;  // the scales of a quantized recv_x (rows of scale_row_bytes), or -1
   char failed_message[kMessageBytes];
 };
 

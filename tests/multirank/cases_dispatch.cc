@@ -161,7 +161,7 @@ MR_CASE("dispatch_shared_input", {}) {
                           one_node ? 0 : 2 * T);
   });
   // A private x is pushed into the receivers' outputs where every rank has an output arena (one node, by
-  // default), else staged (and counted so); a quantized dispatch of a shared x is staged too.
+  // default), else staged (and counted so); so is a quantized dispatch of a shared x.
   const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
   const int64_t T = pr.ranks[ctx.rank].num_tokens;
   DispatchArgs args = dispatch_args_of(pr, ctx.rank, buf);
@@ -198,8 +198,12 @@ MR_CASE("dispatch_shared_input", {}) {
   args.quant_mode = QuantMode::int8;
   buf.dispatch(args);
   Buffer::CopyCounters c2 = buf.copy_counters();
+  // A quantizing sender cannot let receivers read its bf16 rows in place: it quantizes each token once and
+  // pushes codes and scales (output arenas), else stages them.
   check_scalar<int64_t>("quantized: dispatch_staged_tokens",
-                        c2.dispatch_staged_tokens - c1.dispatch_staged_tokens, T);
+                        c2.dispatch_staged_tokens - c1.dispatch_staged_tokens, pushes ? 0 : T);
+  check_scalar<int64_t>("quantized: dispatch_pushed_tokens",
+                        c2.dispatch_pushed_tokens - c1.dispatch_pushed_tokens, pushes ? T : 0);
   // Too large a request: a capacity error naming the option.
   expect_error([&] { buf.get_dispatch_input(1 << 20, 7168); }, ErrorCode::InvalidUsage,
                {"get_dispatch_input", "num_dispatch_input_bytes = 4194304", "capacity"});
