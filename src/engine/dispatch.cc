@@ -203,7 +203,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // Quantizing senders quantize each token once and push its codes and scales; a (data, scales) input
   // stages as before.
   const bool can_push = arena && !inter && !in.cached && !in.cost_stats && !share_x && !in.scales &&
-                        meta > 0 && (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0) &&
+                        (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0) &&
                         (!out.recv_x.scales || arena_offset(*out.recv_x.scales) >= 0);
   bool push = false;  // decided once the headers are in
   auto stage = [&](int64_t w) {

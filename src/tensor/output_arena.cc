@@ -69,7 +69,7 @@ Tensor OutputArena::allocate(DType dtype, const Shape& shape) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   const size_t bytes = static_cast<size_t>(n) * dtype_size(dtype);
-  const size_t size = std::max<size_t>((bytes + kPage - 1) / kPage * kPage, kPage);
+  const size_t size = std::max(whole_pages(bytes), kPage);
   size_t offset = 0;
   {
     std::lock_guard<std::mutex> lk(m_);
@@ -87,7 +87,7 @@ Tensor OutputArena::allocate(DType dtype, const Shape& shape) {
 
 int64_t OutputArena::reserve(size_t bytes) {
   if (bytes == 0) return -1;
-  const size_t size = (bytes + kPage - 1) / kPage * kPage;
+  const size_t size = whole_pages(bytes);
   size_t offset = 0;
   {
     std::lock_guard<std::mutex> lk(m_);

@@ -13,6 +13,10 @@
 
 namespace epcomm {
 
+// Freed output memory kept (with its pages) for later outputs, at most: the caching allocator's limit per
+// process and each output arena's.
+constexpr size_t kOutputCacheBytes = size_t{4} << 30;
+
 // Thread-safe. Blocks are whole pages; a freed block keeps its pages for the next output (no first-touch
 // faults, and the peers' page tables stay valid), up to `cache_limit` bytes of freed memory, beyond which
 // freed pages are returned to the system (MADV_REMOVE). Blocks keep the arena (and its mapping) alive.
@@ -41,11 +45,9 @@ class OutputArena : public std::enable_shared_from_this<OutputArena> {
   size_t cached_bytes() const;
 
   static constexpr size_t kPage = 4096;
+  static size_t whole_pages(size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
  private:
-  struct Range {
-    size_t offset, size;
-  };
   void release(size_t offset, size_t size);
   // Takes [offset, offset + size) out of a free list (best fit); false when none holds `size`.
   static bool take(std::map<size_t, size_t>& by_offset, std::multimap<size_t, size_t>& by_size, size_t size,

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "tensor/output_arena.h"
 
 namespace epcomm {
 
@@ -168,7 +169,7 @@ class CachingAllocator final : public Allocator, public std::enable_shared_from_
   }
 
   static std::shared_ptr<CachingAllocator> instance() {
-    static std::shared_ptr<CachingAllocator> a = std::make_shared<CachingAllocator>(size_t{4} << 30);
+    static std::shared_ptr<CachingAllocator> a = std::make_shared<CachingAllocator>(kOutputCacheBytes);
     return a;
   }
 

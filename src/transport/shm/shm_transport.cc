@@ -81,10 +81,8 @@ class ShmTransport final : public Transport {
 
 // The arena starts at the first page boundary after the segment, in the same file.
 size_t arena_file_offset(size_t segment_total) {
-  return (segment_total + OutputArena::kPage - 1) / OutputArena::kPage * OutputArena::kPage;
+  return OutputArena::whole_pages(segment_total);
 }
-// Freed arena memory kept for reuse at most (as the default allocator's cache).
-constexpr size_t kArenaCacheBytes = size_t{4} << 30;
 
 // Maps the page tables of the first kPeerHotBytes of a peer's segment now (the pages exist: their owner
 // wrote them through), so that the first call does not take those minor faults one by one.
@@ -94,14 +92,18 @@ constexpr size_t kPeerHotBytes = size_t{16} << 20;
 // development VM among them) the first access to a page through a new mapping costs several microseconds
 // even with its entry present (measured: a first streaming-store pass over 470 MB through a fresh, populated
 // mapping took 0.7-0.9 s, the next ones 20-30 ms; after one load per page the first took 22-25 ms).
+// One load per page of [p, p + bytes).
+void touch_pages(const uint8_t* p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += OutputArena::kPage)
+    (void)*static_cast<volatile const uint8_t*>(p + off);
+}
+
 void warm_peer_range(uint8_t* p, size_t bytes) {
   if (!bytes) return;
 #ifdef MADV_POPULATE_WRITE
   (void)madvise(p, bytes, MADV_POPULATE_WRITE);  // older kernels: the loads below fault the entries in
 #endif
-  uint8_t sink = 0;
-  for (size_t off = 0; off < bytes; off += 4096) sink ^= *static_cast<volatile const uint8_t*>(p + off);
-  (void)sink;
+  touch_pages(p, bytes);
 }
 
 void populate_start(uint8_t* p, size_t total) {
@@ -109,7 +111,7 @@ void populate_start(uint8_t* p, size_t total) {
 #ifdef MADV_POPULATE_READ
   if (madvise(p, hot, MADV_POPULATE_READ) == 0) return;
 #endif
-  for (size_t off = 0; off < hot; off += 4096) (void)*static_cast<volatile const uint8_t*>(p + off);
+  touch_pages(p, hot);
 }
 
 // What every rank publishes about its segment: a memfd is opened by its peers through
@@ -328,7 +330,7 @@ void ShmTransport::attach_own_arena(int fd, size_t total, SegmentRef& mine) {
   void* a =
       mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, static_cast<off_t>(at));
   if (a == MAP_FAILED) return;  // (the file stays longer: sparse, nothing maps that part)
-  own_arena_ = std::make_shared<OutputArena>(static_cast<uint8_t*>(a), bytes, kArenaCacheBytes);
+  own_arena_ = std::make_shared<OutputArena>(static_cast<uint8_t*>(a), bytes, kOutputCacheBytes);
   arenas_[rank_] = own_arena_->base();
   mine.arena_bytes = bytes;
   const size_t reserve = std::min(arena_req_.reserve, bytes);
