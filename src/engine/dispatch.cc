@@ -2,7 +2,7 @@
 // by window (two halves, so staging overlaps pulling); every receiver walks each source's window and copies
 // the rows it owns straight to their final offsets, computed from the exchanged counts. A sender whose x
 // lies in its shared dispatch-input area stages only the routing; receivers read its rows in place.
-// When every rank's outputs come from its output arena (one node, plain rows), senders push instead: each
+// When every rank's outputs come from its output arena (one node, fresh dispatch), senders push instead: each
 // writes its rows straight into the receivers' recv_x (every rank knows every receiver's plan), and the
 // windows carry only the routing, from which the receivers fill the rest of their outputs.
 #include "engine/dispatch.h"
@@ -200,9 +200,9 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   Transport& tp = ctx.transport();
   const OutputArena* arena = tp.output_arena().get();
   auto arena_offset = [&](const Tensor& t) { return arena ? arena->offset_of(t.data(), t.nbytes()) : -1; };
-  // Quantizing senders quantize each token once and push its codes and scales; a (data, scales) input
-  // stages as before.
-  const bool can_push = arena && !inter && !in.cached && !in.cost_stats && !share_x && !in.scales &&
+  // Quantizing senders quantize each token once and push its codes and scales; a (data, scales) input pushes
+  // its data rows and gathers each token's scales once.
+  const bool can_push = arena && !inter && !in.cached && !in.cost_stats && !share_x &&
                         (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0) &&
                         (!out.recv_x.scales || arena_offset(*out.recv_x.scales) >= 0);
   bool push = false;  // decided once the headers are in
@@ -517,19 +517,23 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         next[d] = push_start[d][me];
     }
     const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
-    std::vector<uint8_t> quantized(f.quantize ? bytes + scale_bytes : 0);  // one token's codes, then scales
+    // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
+    std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
+    const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
     for (int64_t t = 0; t < in.num_tokens; ++t) {
       const uint8_t* x = in.x + t * in.x_row_bytes;
       if (f.quantize) {  // once per token, whatever the number of its rows
-        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, quantized.data(),
-                            quantized.data() + bytes);
-        x = quantized.data();
+        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, token.data(), token.data() + bytes);
+        x = token.data();
+      } else if (in.scales) {
+        gather_scales(token.data(), in.scales, t, in.scale_stride0, in.scale_stride1, f.scale_cols,
+                      dtype_size(f.scale_dtype));
       }
       for (int d = 0; d < R; ++d) {
         if (!now[d]) continue;
         auto write = [&](int64_t row, int) {
           copy_row(dest[d] + row * bytes, x, bytes, false);
-          if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, x + bytes, scale_bytes);
+          if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, scales, scale_bytes);
         };
         if (K == 0) {
           if (in.in_rank[t * R + d]) write(next[d]++, -1);

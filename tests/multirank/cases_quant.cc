@@ -132,8 +132,26 @@ MR_CASE("dispatch_quant", {}) {
             ta.x.scales = Tensor::wrap(scales.data(), DType::f32, {T, G});
           else
             ta.x.scales = Tensor::wrap(scales.data(), DType::e8m0, {T * G});
+          const Buffer::CopyCounters c0 = buf.copy_counters();
           DispatchResult td = buf.dispatch(ta);
           check_rows_equal(where + " tuple recv", records_of(td.recv_x, db, sb), want, db + sb, DType::u8);
+          // With output arenas the data rows and the gathered scales are pushed, else staged.
+          const Buffer::CopyCounters c1 = buf.copy_counters();
+          const bool pushes = buf.num_output_arena_bytes() > 0;
+          check_scalar<int64_t>(where + " tuple: dispatch_pushed_tokens",
+                                c1.dispatch_pushed_tokens - c0.dispatch_pushed_tokens, pushes ? T : 0);
+          check_scalar<int64_t>(where + " tuple: dispatch_staged_tokens",
+                                c1.dispatch_staged_tokens - c0.dispatch_staged_tokens, pushes ? 0 : T);
+          if (mode == QuantMode::pergroup_fp8_e4m3) {  // column-major scales (a transposed [G, T] tensor)
+            std::vector<uint8_t> cols(T * sb);
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t g = 0; g < G; ++g)
+                std::memcpy(&cols[(g * T + t) * 4], &scales[(t * G + g) * 4], 4);
+            ta.x.scales = Tensor::wrap(cols.data(), DType::f32, {T, G}, {1, T});
+            DispatchResult cm = buf.dispatch(ta);
+            check_rows_equal(where + " tuple recv, column-major scales", records_of(cm.recv_x, db, sb), want,
+                             db + sb, DType::u8);
+          }
         }
 
         // Combine of the dequantized rows: bitwise the reference fed with the same dequantized rows.
