@@ -220,6 +220,9 @@ class Buffer {
     int64_t dispatch_pushed_tokens = 0;    // tokens whose rows it wrote straight into receivers' recv_x
     int64_t combine_copied_rows = 0;       // rows it copied into other ranks' combine windows
     int64_t combine_in_place_rows = 0;     // rows other ranks read in place from its combine-input area
+    // Own tokens it combined directly: every copy read straight from its holder's x (output arena or
+    // combine-input area) at the rows a pushing dispatch wrote, with no windows (docs/normal-mode.md).
+    int64_t combine_direct_tokens = 0;
   };
   CopyCounters copy_counters() const;
 

@@ -201,6 +201,7 @@ void bind_buffer(py::module_& m) {
              d["dispatch_pushed_tokens"] = c.dispatch_pushed_tokens;
              d["combine_copied_rows"] = c.combine_copied_rows;
              d["combine_in_place_rows"] = c.combine_in_place_rows;
+             d["combine_direct_tokens"] = c.combine_direct_tokens;
              return d;
            })
       .def_property_readonly("num_combine_input_bytes",

@@ -288,11 +288,12 @@ class Buffer:
         """What this rank's calls copied and what its peers read in place since the Buffer was created, as a
         dict: dispatch_staged_tokens, dispatch_in_place_tokens (shared dispatch input),
         dispatch_pushed_tokens (rows written straight into the receivers' outputs: the output arena),
-        combine_copied_rows, combine_in_place_rows (shared combine input). Shows whether the shared areas
-        are in use. All zero with DEEP_USE_MODE=alltoall."""
+        combine_copied_rows, combine_in_place_rows (shared combine input), combine_direct_tokens (own tokens
+        combined straight from the holders' outputs, without windows). Shows whether the shared areas are
+        in use. All zero with DEEP_USE_MODE=alltoall."""
         if isinstance(self._impl, AllToAllStrategy):
             return dict(dispatch_staged_tokens=0, dispatch_in_place_tokens=0, dispatch_pushed_tokens=0,
-                        combine_copied_rows=0, combine_in_place_rows=0)
+                        combine_copied_rows=0, combine_in_place_rows=0, combine_direct_tokens=0)
         return self._impl.copy_counters()
 
     # ---- combine -------------------------------------------------------------------------------------------

@@ -439,6 +439,10 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
     in.recv_weights = a.topk_weights->data_as<float>();
     in.has_recv_weights = true;
     in.keep.push_back(*a.topk_weights);
+    // In the output arena (e.g. the dispatched recv_topk_weights): origins of a direct combine read it there.
+    if (!b.inter && a.topk_weights->nbytes() > 0)
+      if (const auto arena = b.transport->output_arena())
+        in.recv_weights_offset = arena->offset_of(in.recv_weights, a.topk_weights->nbytes());
   }
   auto bias = [&](const std::optional<Tensor>& t, const char* name) -> const uint8_t* {
     if (!t) return nullptr;

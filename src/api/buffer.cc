@@ -269,6 +269,7 @@ Buffer::CopyCounters Buffer::copy_counters() const {
   r.dispatch_pushed_tokens = c.dispatch_pushed_tokens.load(std::memory_order_relaxed);
   r.combine_copied_rows = c.combine_copied_rows.load(std::memory_order_relaxed);
   r.combine_in_place_rows = c.combine_in_place_rows.load(std::memory_order_relaxed);
+  r.combine_direct_tokens = c.combine_direct_tokens.load(std::memory_order_relaxed);
   return r;
 }
 

@@ -352,6 +352,98 @@ class Hierarchy {
 
 }  // namespace
 
+namespace {
+
+// Direct combine (every header says kReadRowsInPlace): each origin reads every copy of its tokens straight
+// from its holder's x, at the rows the dispatch wrote them to (handle send_rows), and reduces them in the
+// same canonical order as the windows would. No windows: the headers are the only synchronisation before,
+// and `combine_open` = pack(seq, 1) (closed) tells a holder that an origin is done with its rows.
+void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
+  const int R = ctx.size(), me = ctx.rank();
+  const Handle::Impl& hd = *in.handle;
+  const bool expert = hd.order == ReceiveOrder::expert_major;
+  const int K = hd.num_topk, L = hd.num_local;
+  const int64_t T = hd.num_tokens;
+  const size_t row_bytes = static_cast<size_t>(in.hidden) * dtype_size(in.dtype);
+  std::vector<const uint8_t*> xs(R, nullptr);
+  std::vector<const float*> gs(R, nullptr);  // rank_major: the holders' receiving-side weights
+  for (int p = 0; p < R; ++p) {
+    xs[p] = p == me ? in.x : ctx.shared_input(p);
+    const int64_t g = ctx.header(p)->weights_offset;
+    gs[p] = p == me  ? in.recv_weights
+            : g >= 0 ? reinterpret_cast<const float*>(ctx.transport().arena(p) + g)
+                     : nullptr;
+  }
+  const int32_t* at = hd.send_rows.data();
+  const uint8_t* rows_ptr[1024];
+  const uint8_t* next_ptr[1024];
+  float wts[1024], next_wts[1024];
+  const float* g_of[1024];
+  // The contributions of token t in canonical order (slot k ascending, or rank d ascending).
+  auto gather = [&](int64_t t, const uint8_t** ptrs, float* ws, const float** gw) {
+    int n = 0;
+    if (expert) {
+      for (int k = 0; k < K; ++k) {
+        const int32_t id = hd.topk_ids[t * K + k];
+        if (id < 0) continue;
+        ptrs[n] = xs[id / L] + static_cast<int64_t>(at[t * K + k]) * row_bytes;
+        ws[n++] = in.weights_used[t * K + k];
+      }
+    } else {
+      for (int d = 0; d < R; ++d) {
+        if (!hd.in_rank[t * R + d]) continue;
+        const int64_t row = at[t * R + d];
+        ptrs[n] = xs[d] + row * row_bytes;
+        if (gw) gw[n] = gs[d] + row * K;
+        ++n;
+      }
+    }
+    return n;
+  };
+  uint8_t* cx = out.combined_x.data_as<uint8_t>();
+  float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
+  const bool sum_g = !expert && cw && in.has_recv_weights;
+  for (int64_t t = 0; t < T; ++t) {
+    const int n = gather(t, rows_ptr, wts, sum_g ? g_of : nullptr);
+    // The kernel prefetches ahead within a row; the starts of the next token's rows are fetched here.
+    if (t + 1 < T) prefetch_row_starts(next_ptr, gather(t + 1, next_ptr, next_wts, nullptr), row_bytes);
+    reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, in.hidden,
+                 in.bias1 ? in.bias1 + t * row_bytes : nullptr, in.bias2 ? in.bias2 + t * row_bytes : nullptr,
+                 cx + t * row_bytes);
+    if (!expert && cw)
+      for (int k = 0; k < K; ++k) {
+        float p = 0.0f;
+        for (int i = 0; sum_g && i < n; ++i) p = p + g_of[i][k];
+        cw[t * K + k] = 0.0f + p;
+      }
+  }
+  if (expert && cw) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
+  if (in.counters) {
+    int64_t lent = 0;
+    for (int s = 0; s < R; ++s) lent += s == me ? 0 : hd.rows_per_source[s];
+    in.counters->add(in.counters->combine_in_place_rows, lent);
+    in.counters->add(in.counters->combine_direct_tokens, T);
+  }
+
+  // Closed: the holders we read from may return (and reuse their x) once every origin they serve is.
+  const uint64_t seq = ctx.seq();
+  ctx.control(me)->combine_open.store(pack(seq, 1), std::memory_order_seq_cst);
+  for (int p = 0; p < R; ++p)
+    if (hd.tokens_per_rank[p] > 0 && p != me) ctx.notify(p);
+  auto open_origins = [&] {
+    std::vector<int> peers;
+    for (int s = 0; s < R; ++s)
+      if (s != me && hd.rows_per_source[s] > 0 &&
+          ctx.control(s)->combine_open.load(std::memory_order_acquire) < pack(seq, 1))
+        peers.push_back(s);
+    return peers;
+  };
+  ctx.run(
+      "data", [&](bool&) { return open_origins().empty(); }, open_origins);
+}
+
+}  // namespace
+
 void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
                  const std::function<void()>& on_shapes) {
   const int R = ctx.size(), me = ctx.rank();
@@ -378,6 +470,12 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
   Internode* inter = ctx.internode();
   h.input_offset = inter ? -1 : in.shared_offset;  // across nodes copies always travel
   if (!inter && in.shared_offset >= 0 && in.shared_in_arena) h.flags |= kInputInArena;
+  // A rank without rows has nothing to lend, wherever its (empty) x and weights lie.
+  const bool no_rows = hd.num_rows == 0;
+  if (!inter && hd.pushed && !in.cost_stats && (in.shared_offset >= 0 || no_rows) &&
+      (expert || !in.has_recv_weights || in.recv_weights_offset >= 0 || no_rows))
+    h.flags |= kReadRowsInPlace;
+  h.weights_offset = in.recv_weights_offset;
   const int M = inter ? inter->topo.num_nodes : 1;
   if (inter) {  // proxies learn which ranks of their node hold copies of our tokens
     h.num_counts = hd.num_experts + R;
@@ -448,6 +546,9 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
       std::memset(out.combined_topk_weights->data(), 0xFF, out.combined_topk_weights->nbytes());
   }
   on_shapes();
+  bool direct = true;
+  for (int r = 0; r < R; ++r) direct = direct && (ctx.header(r)->flags & kReadRowsInPlace);
+  if (direct) return run_direct(ctx, in, out);
 
   const int64_t W = geo.window;
   std::vector<int64_t> nwin(R), filled(R, 0), done_us(R, -1);

@@ -30,7 +30,8 @@ struct CombineInput {
   // Presence is a flag, not the pointer: a tensor with no rows may have no storage (null data).
   const float* recv_weights = nullptr;
   bool has_recv_weights = false;
-  const uint8_t* bias1 = nullptr;  // [T, H'] or null
+  int64_t recv_weights_offset = -1;  // >= 0: recv_weights lies in this rank's output arena, at this offset
+  const uint8_t* bias1 = nullptr;    // [T, H'] or null
   const uint8_t* bias2 = nullptr;
   int32_t chunks[4] = {0, 0, 0, 0};
   bool poison = false;

@@ -493,8 +493,12 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // that comes later gets a pass of its own, so that a late rank does not hold up the others' rows.
   std::vector<char> pushed_to(R, 0);
   int push_left = 0;  // receivers of our tokens not served yet
-  if (push)
+  if (push) {
     for (int d = 0; d < R; ++d) push_left += my_dest_tokens[d] > 0;
+    const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
+    nh->send_rows.assign(static_cast<size_t>(in.num_tokens) * (by_expert ? K : R), -1);
+    nh->pushed = true;
+  }
   auto out_ready = [&](int d) {
     return ctx.control(d)->out_ready.load(std::memory_order_acquire) >= pack(seq, 1);
   };
@@ -517,6 +521,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         next[d] = push_start[d][me];
     }
     const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
+    int32_t* send_rows = nh->send_rows.data();  // the handle learns where every copy went
     // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
     std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
     const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
@@ -531,9 +536,10 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
       }
       for (int d = 0; d < R; ++d) {
         if (!now[d]) continue;
-        auto write = [&](int64_t row, int) {
+        auto write = [&](int64_t row, int k) {
           copy_row(dest[d] + row * bytes, x, bytes, false);
           if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, scales, scale_bytes);
+          send_rows[by_expert ? t * K + k : t * R + d] = static_cast<int32_t>(row);
         };
         if (K == 0) {
           if (in.in_rank[t * R + d]) write(next[d]++, -1);

@@ -37,6 +37,13 @@ struct Handle::Impl {
   // Rows grouped by source rank (CSR), each group ordered by (source token, slot).
   std::vector<int64_t> source_offsets;  // [R + 1]
   std::vector<int32_t> source_rows;
+
+  // Where our tokens' copies lie on their holders, when the dispatch pushed them (empty otherwise): the row
+  // in holder rank_of(id)'s recv_x per top-k slot ([T*K], expert_major; -1 at slots without an expert) or in
+  // rank d's recv_x per destination ([T*R], rank_major; -1 where not sent). A direct combine reads the
+  // holders' x at these rows.
+  std::vector<int32_t> send_rows;
+  bool pushed = false;  // send_rows hold the placement (every rank pushed its rows in that dispatch)
 };
 
 }  // namespace epcomm

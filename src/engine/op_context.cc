@@ -91,7 +91,7 @@ HeaderData& OpContext::begin_header(OpKind op) {
   h->num_experts = h->num_topk = h->dtype = h->quant_mode = 0;
   h->hidden = h->row_bytes = h->num_tokens = h->expert_alignment = h->num_worst_tokens = 0;
   h->handle_id = 0;
-  h->input_offset = -1;
+  h->input_offset = h->weights_offset = -1;
   std::fill(std::begin(h->chunks), std::end(h->chunks), 0);
   h->num_counts = 0;
   h->message[0] = '\0';

@@ -36,6 +36,12 @@ constexpr uint32_t kPushRows = 16;
 // input_offset counts from the start of this rank's output arena, not of its segment (combine: x is, or lies
 // in, an output of this Buffer, e.g. the dispatched recv_x fed back by in-place experts).
 constexpr uint32_t kInputInArena = 32;
+// Combine: this rank can take part in a direct combine (one node): its x is shared (input_offset >= 0), its
+// handle knows where its tokens' copies lie on their holders (the dispatch pushed them), no cost statistics
+// are asked for, and in rank_major with receiving-side weights those lie in its output arena
+// (weights_offset >= 0). When every rank says so, origins read every copy straight from the holders' x, with
+// no windows: one synchronisation at the start (the headers) and one at the end (origins closed).
+constexpr uint32_t kReadRowsInPlace = 64;
 
 // One collective call's header: parameters that must match across ranks, this rank's validation status
 // and message. Written with plain stores, then `seq` is released; readers acquire `seq` first.
@@ -54,6 +60,8 @@ struct HeaderData {
   // them in place), dispatch's tokens in the dispatch-input area (receivers read them in place, nothing is
   // staged but the routing).
   int64_t input_offset;
+  // Combine, rank_major: where this rank's receiving-side weights start in its output arena, or -1.
+  int64_t weights_offset;
   int32_t num_counts;  // entries of the counts array that follows: E pairs per expert, then R tokens per rank
   char message[kMessageBytes];
 };

@@ -190,6 +190,9 @@ MR_CASE("dispatch_shared_input", {}) {
     REQUIRE(pushes ? copied == 0 && (in_place > 0 || held == 0) : in_place == 0 && (copied > 0 || held == 0),
             "recv_x fed back: ", copied, " rows copied, ", in_place, " read in place (", held,
             " rows of other ranks held; output arena ", pushes ? "on" : "off", ")");
+    // Pushed rows fed back: every origin reads its copies straight from the holders, no windows.
+    check_scalar<int64_t>("recv_x fed back: combine_direct_tokens",
+                          c2.combine_direct_tokens - c1.combine_direct_tokens, pushes ? T : 0);
     c1 = c2;
   }
   Tensor sx = buf.get_dispatch_input(T, 64);

@@ -134,6 +134,10 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   a.num_worst_tokens = worst;
   a.receive_order = rt.order;
   a.async_finish = rt.async;
+  // With output arenas (one node) a private x is pushed, and combines of rows in place (fed back or in the
+  // combine-input area) then read every copy straight from the holders: the counters say which path ran.
+  const bool direct = buf.num_output_arena_bytes() > 0 && !rt.shared_dispatch_input;
+  const Buffer::CopyCounters k0 = buf.copy_counters();
   DispatchResult d = buf.dispatch(a);
   if (rt.async) d.event.wait();
   REQUIRE(d.event.is_complete(), "event must be complete after wait()");
@@ -182,6 +186,13 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     if (rt.async) c.previous_event = d.event;
     CombineResult cr = buf.combine(c);
     cr.event.wait();
+    const Buffer::CopyCounters k1 = buf.copy_counters();
+    check_scalar<int64_t>(where + " dispatch_pushed_tokens",
+                          k1.dispatch_pushed_tokens - k0.dispatch_pushed_tokens,
+                          direct ? P.ranks[r].num_tokens : 0);
+    check_scalar<int64_t>(where + " combine(fed back) combine_direct_tokens",
+                          k1.combine_direct_tokens - k0.combine_direct_tokens,
+                          direct ? P.ranks[r].num_tokens : 0);
     const bool rank_w = rt.order == ReceiveOrder::rank_major && topk;
     RefCombine rc = ref_combine(P, r, rt.order, rt.expert_alignment, worst, P.spec.dtype, P.spec.hidden, fed,
                                 nullptr, rank_w ? &recv_w : nullptr, {}, rpn);
