@@ -86,11 +86,11 @@ void for_each_row(const routing::ExpertMap& map, bool by_expert, const int32_t* 
                   int64_t* next, F&& f) {
   if (by_expert) {
     for (int k = 0; k < K; ++k)
-      if (ids[k] >= 0 && map.rank_of(ids[k]) == d) f(next[map.local_of(ids[k])]++, k);
+      if (map.hosts(d, ids[k])) f(next[ids[k] - d * map.num_local]++, k);
     return;
   }
   for (int k = 0; k < K; ++k)
-    if (ids[k] >= 0 && map.rank_of(ids[k]) == d) {
+    if (map.hosts(d, ids[k])) {
       f(next[0]++, -1);
       return;
     }
@@ -611,7 +611,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
           for (int kk = 0; kk < K; ++kk) o.weights[row * K + kk] = kk == k ? wp[k] : 0.0f;
         } else {  // the token's row: every slot whose expert is here
           for (int kk = 0; kk < K; ++kk) {
-            const bool here = idp[kk] >= 0 && map.rank_of(idp[kk]) == me;
+            const bool here = map.hosts(me, idp[kk]);
             o.set_idx(row, kk, here ? idp[kk] - me * L : -1);
             o.weights[row * K + kk] = here ? wp[kk] : 0.0f;
           }

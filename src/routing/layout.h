@@ -12,10 +12,14 @@ namespace epcomm::routing {
 // Expert ownership: experts map to ranks in contiguous blocks of L = E / R.
 struct ExpertMap {
   int num_experts = 0, num_ranks = 1, num_local = 0;
-  // 32-bit division (expert ids are below kMaxExperts): a 64-bit one cost several times more, and dispatch
-  // asks these once or twice per top-k slot of every token it receives.
+  // 32-bit division (expert ids are below kMaxExperts): a 64-bit one cost several times more. Per-slot loops
+  // of dispatch ask hosts() instead.
   int rank_of(int64_t e) const { return static_cast<int32_t>(e) / num_local; }
   int local_of(int64_t e) const { return static_cast<int32_t>(e) % num_local; }
+  // Whether rank d hosts expert e (e >= 0 or -1 for "no expert"): a range check, no division.
+  bool hosts(int d, int64_t e) const {
+    return static_cast<uint64_t>(e - static_cast<int64_t>(d) * num_local) < static_cast<uint64_t>(num_local);
+  }
 };
 
 struct Layout {
