@@ -2,7 +2,8 @@
 // by window (two halves, so staging overlaps pulling); every receiver walks each source's window and copies
 // the rows it owns straight to their final offsets, computed from the exchanged counts. A sender whose x
 // lies in its shared dispatch-input area stages only the routing; receivers read its rows in place.
-// When every rank's outputs come from its output arena (one node, fresh dispatch), senders push instead: each
+// When every rank's outputs come from its output arena (one node; a cached dispatch only when the fresh one
+// pushed: its handle keeps every row), senders push instead: each
 // writes its rows straight into the receivers' recv_x (every rank knows every receiver's plan), and the
 // windows carry only the routing, from which the receivers fill the rest of their outputs.
 #include "engine/dispatch.h"
@@ -195,14 +196,15 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // windows carry only the routing (same geometry, so that every rank computes the same windows).
   const bool share_x = !inter && in.shared_offset >= 0 && !f.quantize && !in.scales;
   // Whether our rows can be pushed (every rank must say so): outputs in our output arena, x private (or
-  // quantized here), a fresh dispatch on one node, no cost statistics asked for (pushed rows land only once
+  // quantized here), one node, no cost statistics asked for (pushed rows land only once
   // every rank has arrived, so a late rank's delay would show in every element instead of its own: spec §7).
   Transport& tp = ctx.transport();
   const OutputArena* arena = tp.output_arena().get();
   auto arena_offset = [&](const Tensor& t) { return arena ? arena->offset_of(t.data(), t.nbytes()) : -1; };
   // Quantizing senders quantize each token once and push its codes and scales; a (data, scales) input pushes
   // its data rows and gathers each token's scales once.
-  const bool can_push = arena && !inter && !in.cached && !in.cost_stats && !share_x &&
+  // A cached dispatch pushes when the fresh one did: its handle says where every copy goes.
+  const bool can_push = arena && !inter && (!in.cached || hd->pushed) && !in.cost_stats && !share_x &&
                         (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0) &&
                         (!out.recv_x.scales || arena_offset(*out.recv_x.scales) >= 0);
   bool push = false;  // decided once the headers are in
@@ -413,6 +415,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     for (int64_t r = 0; r < rows; ++r)
       if (src[r] < 0) o.fill_empty(r, r + 1);
   }
+  const std::vector<int64_t>& rows_from = in.cached ? hd->rows_per_source : plan.rows_per_source;
   QuarantineOnFailure quarantine;
   if (push) {  // our recv_x is ready (PAD rows and poison written): the senders may write into it now
     const int64_t off = arena_offset(out.recv_x.data);
@@ -432,7 +435,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     ctx.control(me)->out_scale_offset = scale_off;
     ctx.control(me)->out_ready.store(pack(seq, 1), std::memory_order_release);
     for (int s = 0; s < R; ++s)
-      if (s != me && plan.rows_per_source[s] > 0) ctx.notify(s);
+      if (s != me && rows_from[s] > 0) ctx.notify(s);
   }
   if (!in.cached) {
     // The handle's shape fields are final before on_shapes(); the row lists fill in during the data phase.
@@ -460,7 +463,6 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   on_shapes();
 
   // 5. Rounds: stage own windows, pull every source's windows.
-  const std::vector<int64_t>& rows_from = in.cached ? hd->rows_per_source : plan.rows_per_source;
   const std::vector<int32_t>& my_dest_tokens = in.cached ? hd->tokens_per_rank : in.tokens_per_rank;
   std::vector<int64_t> nwin(R), pulled(R, 0), done_us(R, -1);
   for (int s = 0; s < R; ++s) {
@@ -496,8 +498,10 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   if (push) {
     for (int d = 0; d < R; ++d) push_left += my_dest_tokens[d] > 0;
     const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
-    nh->send_rows.assign(static_cast<size_t>(in.num_tokens) * (by_expert ? K : R), -1);
-    nh->pushed = true;
+    if (!in.cached) {
+      nh->send_rows.assign(static_cast<size_t>(in.num_tokens) * (by_expert ? K : R), -1);
+      nh->pushed = true;
+    }
   }
   auto out_ready = [&](int d) {
     return ctx.control(d)->out_ready.load(std::memory_order_acquire) >= pack(seq, 1);
@@ -514,6 +518,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
       if (!now[d]) continue;
       dest[d] = tp.arena(d) + ctx.control(d)->out_offset;
       if (f.scale_row_bytes) dest_scales[d] = tp.arena(d) + ctx.control(d)->out_scale_offset;
+      if (in.cached) continue;  // the handle's send_rows give the rows
       if (by_expert)
         next_e[d].assign(push_start[d].begin() + static_cast<ptrdiff_t>(me) * L,
                          push_start[d].begin() + static_cast<ptrdiff_t>(me + 1) * L);
@@ -521,7 +526,9 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         next[d] = push_start[d][me];
     }
     const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
-    int32_t* send_rows = nh->send_rows.data();  // the handle learns where every copy went
+    // A fresh dispatch records in its handle where every copy went; a cached one reads it there.
+    int32_t* send_rows = in.cached ? nullptr : nh->send_rows.data();
+    const int32_t* sent_to = in.cached ? hd->send_rows.data() : nullptr;
     // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
     std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
     const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
@@ -534,11 +541,26 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         gather_scales(token.data(), in.scales, t, in.scale_stride0, in.scale_stride1, f.scale_cols,
                       dtype_size(f.scale_dtype));
       }
+      auto put = [&](int d, int64_t row) {
+        copy_row(dest[d] + row * bytes, x, bytes, false);
+        if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, scales, scale_bytes);
+      };
+      if (in.cached) {  // the same rows as the fresh dispatch (same order rule: K = 0 is rank_major)
+        if (by_expert) {
+          for (int k = 0; k < K; ++k) {
+            const int32_t id = hd->topk_ids[t * K + k];
+            if (id >= 0 && now[id / L]) put(id / L, sent_to[t * K + k]);
+          }
+        } else {
+          for (int d = 0; d < R; ++d)
+            if (now[d] && hd->in_rank[t * R + d]) put(d, sent_to[t * R + d]);
+        }
+        continue;
+      }
       for (int d = 0; d < R; ++d) {
         if (!now[d]) continue;
         auto write = [&](int64_t row, int k) {
-          copy_row(dest[d] + row * bytes, x, bytes, false);
-          if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, scales, scale_bytes);
+          put(d, row);
           send_rows[by_expert ? t * K + k : t * R + d] = static_cast<int32_t>(row);
         };
         if (K == 0) {

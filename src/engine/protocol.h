@@ -29,9 +29,9 @@ const char* op_kind_name(OpKind op);
 
 // Flags of HeaderData::flags.
 constexpr uint32_t kHasTopk = 1, kHasWeights = 2, kHasBias = 4, kHasInRank = 8;
-// Dispatch: this rank's outputs come from its output arena and its rows can be pushed (one node, fresh,
-// private or sender-quantized x). When every rank says so, senders write rows straight into the receivers'
-// recv_x.
+// Dispatch: this rank's outputs come from its output arena and its rows can be pushed (one node, fresh or
+// cached after a pushed fresh one, private, sender-quantized or (data, scales) x). When every rank says so,
+// senders write rows straight into the receivers' recv_x.
 constexpr uint32_t kPushRows = 16;
 // input_offset counts from the start of this rank's output arena, not of its segment (combine: x is, or lies
 // in, an output of this Buffer, e.g. the dispatched recv_x fed back by in-place experts).

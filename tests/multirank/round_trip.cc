@@ -256,8 +256,13 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     }
     ca.handle = d.handle;
     ca.async_finish = rt.async;
+    const Buffer::CopyCounters k2 = buf.copy_counters();
     DispatchResult cd = buf.dispatch(ca);
     cd.event.wait();
+    // A cached dispatch pushes where the fresh one did (its handle knows every row).
+    check_scalar<int64_t>(where + " cached dispatch_pushed_tokens",
+                          buf.copy_counters().dispatch_pushed_tokens - k2.dispatch_pushed_tokens,
+                          direct ? P.ranks[r].num_tokens : 0);
     REQUIRE(!cd.handle && !cd.recv_topk_idx && !cd.num_recv_tokens_per_expert_list,
             "cached dispatch returns only recv_x");
     auto want = ref_cached_dispatch(P, r, rt.order, rt.expert_alignment, worst, nx, H3 * 4);
