@@ -204,6 +204,8 @@ void bind_buffer(py::module_& m) {
              d["combine_direct_tokens"] = c.combine_direct_tokens;
              return d;
            })
+      .def_property_readonly("num_output_arena_bytes",
+                             [](PyBuffer& b) { return b.get().num_output_arena_bytes(); })
       .def_property_readonly("num_combine_input_bytes",
                              [](PyBuffer& b) { return b.get().num_combine_input_bytes(); })
       .def(

@@ -118,6 +118,15 @@ class Buffer:
         return self._impl.receive_order
 
     @property
+    def num_output_arena_bytes(self):
+        """Address space of this rank's output arena (docs/normal-mode.md, "Output arena"), 0 when it has none
+        (EPCOMM_OUTPUT_ARENA=0, several nodes, DEEP_USE_MODE=alltoall): with an arena, dispatch pushes its
+        rows into the receivers' outputs and combines of those rows read them in place."""
+        if isinstance(self._impl, AllToAllStrategy):
+            return 0
+        return self._impl.num_output_arena_bytes
+
+    @property
     def timeout_s(self):
         return self._impl.timeout_s
 

@@ -376,7 +376,21 @@ def shared_dispatch_input_job(rank, world):
                             num_output_reserve_bytes=64 << 20)
         for order in ORDERS:
             args = routed_args(buf, ids, w, E, receive_order=order)
+            c0 = buf.copy_counters()
             a = buf.dispatch(x, **args)
+            if mode == "shm":  # one node: an arena unless the environment turned it off
+                check((buf.num_output_arena_bytes > 0) == (os.environ.get("EPCOMM_OUTPUT_ARENA") != "0"),
+                      f"num_output_arena_bytes {buf.num_output_arena_bytes}")
+            if mode == "shm" and buf.num_output_arena_bytes > 0:
+                # A private x is pushed; its recv_x fed back is combined straight from the holders (no windows);
+                # a cached dispatch on its handle pushes to the same rows.
+                cx = buf.combine(a[0], a[4])[0]
+                ca = buf.dispatch(x, handle=a[4])[0]
+                c1 = buf.copy_counters()
+                check(c1["dispatch_pushed_tokens"] - c0["dispatch_pushed_tokens"] == 2 * T, f"pushed: {c0} -> {c1}")
+                check(c1["combine_direct_tokens"] - c0["combine_direct_tokens"] == T, f"direct: {c0} -> {c1}")
+                check(torch.equal(ca.view(torch.int16), a[0].view(torch.int16)), f"{order}: pushed cached differs")
+                check(cx.shape == (T, H), f"combined shape {tuple(cx.shape)}")
             sx = buf.get_dispatch_input(T, H)
             check(sx.shape == (T, H) and sx.dtype == torch.bfloat16, f"shape {tuple(sx.shape)}")
             sx.copy_(x)
