@@ -12,6 +12,14 @@
 namespace epcomm {
 namespace {
 
+// Where t's bytes start in this rank's output arena (one node, an arena, t non-empty and inside it), or -1:
+// peers of a combine can then read it in place.
+int64_t arena_offset(const Buffer::Impl& b, const Tensor& t) {
+  if (b.inter || t.nbytes() == 0) return -1;
+  const auto arena = b.transport->output_arena();
+  return arena ? arena->offset_of(t.data(), t.nbytes()) : -1;
+}
+
 std::string describe(const Tensor& t) {
   return detail::cat(dtype_name(t.dtype()), shape_str(t.shape()));
 }
@@ -411,11 +419,10 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
     if (in.x >= area && in.x + x.nbytes() <= area + b.input_bytes)
       in.shared_offset = static_cast<int64_t>(b.input_offset) + (in.x - area);
   }
-  if (in.shared_offset < 0 && !b.inter && x.nbytes() > 0)
-    if (const auto arena = b.transport->output_arena()) {
-      in.shared_offset = arena->offset_of(in.x, x.nbytes());
-      in.shared_in_arena = in.shared_offset >= 0;
-    }
+  if (in.shared_offset < 0) {
+    in.shared_offset = arena_offset(b, x);
+    in.shared_in_arena = in.shared_offset >= 0;
+  }
   const int64_t T = hd.num_tokens;
   const int K = hd.num_topk;
   if (hd.order == ReceiveOrder::expert_major) {
@@ -440,9 +447,7 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
     in.has_recv_weights = true;
     in.keep.push_back(*a.topk_weights);
     // In the output arena (e.g. the dispatched recv_topk_weights): origins of a direct combine read it there.
-    if (!b.inter && a.topk_weights->nbytes() > 0)
-      if (const auto arena = b.transport->output_arena())
-        in.recv_weights_offset = arena->offset_of(in.recv_weights, a.topk_weights->nbytes());
+    in.recv_weights_offset = arena_offset(b, *a.topk_weights);
   }
   auto bias = [&](const std::optional<Tensor>& t, const char* name) -> const uint8_t* {
     if (!t) return nullptr;

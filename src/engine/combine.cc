@@ -350,10 +350,6 @@ class Hierarchy {
   std::vector<float> own_;
 };
 
-}  // namespace
-
-namespace {
-
 // Direct combine (every header says kReadRowsInPlace): each origin reads every copy of its tokens straight
 // from its holder's x, at the rows the dispatch wrote them to (handle send_rows), and reduces them in the
 // same canonical order as the windows would. No windows: the headers are the only synchronisation before,
@@ -362,7 +358,7 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   const int R = ctx.size(), me = ctx.rank();
   const Handle::Impl& hd = *in.handle;
   const bool expert = hd.order == ReceiveOrder::expert_major;
-  const int K = hd.num_topk, L = hd.num_local;
+  const int K = hd.num_topk;
   const int64_t T = hd.num_tokens;
   const size_t row_bytes = static_cast<size_t>(in.hidden) * dtype_size(in.dtype);
   std::vector<const uint8_t*> xs(R, nullptr);
@@ -375,45 +371,43 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
                      : nullptr;
   }
   const int32_t* at = hd.send_rows.data();
-  const uint8_t* rows_ptr[1024];
-  const uint8_t* next_ptr[1024];
-  float wts[1024], next_wts[1024];
-  const float* g_of[1024];
-  // The contributions of token t in canonical order (slot k ascending, or rank d ascending).
-  auto gather = [&](int64_t t, const uint8_t** ptrs, float* ws, const float** gw) {
-    int n = 0;
-    if (expert) {
-      for (int k = 0; k < K; ++k) {
-        const int32_t id = hd.topk_ids[t * K + k];
-        if (id < 0) continue;
-        ptrs[n] = xs[id / L] + static_cast<int64_t>(at[t * K + k]) * row_bytes;
-        ws[n++] = in.weights_used[t * K + k];
-      }
-    } else {
-      for (int d = 0; d < R; ++d) {
-        if (!hd.in_rank[t * R + d]) continue;
-        const int64_t row = at[t * R + d];
-        ptrs[n] = xs[d] + row * row_bytes;
-        if (gw) gw[n] = gs[d] + row * K;
-        ++n;
-      }
-    }
-    return n;
-  };
+  const int slots = hd.by_slot() ? K : R;
   uint8_t* cx = out.combined_x.data_as<uint8_t>();
+  // rank_major: combined_topk_weights (returned with receiving-side weights) sums the holders' rows of them.
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
-  const bool sum_g = !expert && cw && in.has_recv_weights;
+  const bool sum_g = !expert && cw;
+  // Token t's copies (pointers, weights, receiving-side weight rows), gathered one token ahead so that the
+  // starts of the next token's rows are fetched while this one is reduced (the kernel prefetches within).
+  struct Copies {
+    const uint8_t* rows[1024];
+    float w[1024];
+    const float* g[1024];
+    int n = 0;
+  } bufs[2];
+  auto gather = [&](int64_t t, Copies& c) {
+    c.n = 0;
+    hd.for_each_copy(t, [&](int slot, int holder) {
+      const int64_t row = at[t * slots + slot];
+      c.rows[c.n] = xs[holder] + row * static_cast<int64_t>(row_bytes);
+      if (expert) c.w[c.n] = in.weights_used[t * K + slot];
+      if (sum_g) c.g[c.n] = gs[holder] + row * K;
+      ++c.n;
+    });
+  };
+  if (T > 0) gather(0, bufs[0]);
   for (int64_t t = 0; t < T; ++t) {
-    const int n = gather(t, rows_ptr, wts, sum_g ? g_of : nullptr);
-    // The kernel prefetches ahead within a row; the starts of the next token's rows are fetched here.
-    if (t + 1 < T) prefetch_row_starts(next_ptr, gather(t + 1, next_ptr, next_wts, nullptr), row_bytes);
-    reduce_token(in.dtype, rows_ptr, expert ? wts : nullptr, n, in.hidden,
+    const Copies& c = bufs[t % 2];
+    if (t + 1 < T) {
+      gather(t + 1, bufs[(t + 1) % 2]);
+      prefetch_row_starts(bufs[(t + 1) % 2].rows, bufs[(t + 1) % 2].n, row_bytes);
+    }
+    reduce_token(in.dtype, c.rows, expert ? c.w : nullptr, c.n, in.hidden,
                  in.bias1 ? in.bias1 + t * row_bytes : nullptr, in.bias2 ? in.bias2 + t * row_bytes : nullptr,
                  cx + t * row_bytes);
-    if (!expert && cw)
+    if (sum_g)
       for (int k = 0; k < K; ++k) {
         float p = 0.0f;
-        for (int i = 0; sum_g && i < n; ++i) p = p + g_of[i][k];
+        for (int i = 0; i < c.n; ++i) p = p + c.g[i][k];
         cw[t * K + k] = 0.0f + p;
       }
   }
@@ -653,16 +647,11 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
     // The contributions of token t in canonical order (slot k ascending, or rank d ascending).
     auto gather = [&](int64_t t, const uint8_t** ptrs, float* ws) {
       int n = 0;
-      if (expert) {
-        for (int k = 0; k < K; ++k) {
-          if (hd.topk_ids[t * K + k] < 0) continue;
-          ptrs[n] = copy_of(t, k);
-          ws[n++] = in.weights_used[t * K + k];
-        }
-      } else {
-        for (int d = 0; d < R; ++d)
-          if (hd.in_rank[t * R + d]) ptrs[n++] = copy_of(t, d);
-      }
+      hd.for_each_copy(t, [&](int slot, int) {
+        ptrs[n] = copy_of(t, slot);
+        if (expert) ws[n] = in.weights_used[t * K + slot];
+        ++n;
+      });
       return n;
     };
     for (int64_t t = t0; t < t1; ++t) {

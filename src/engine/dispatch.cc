@@ -497,8 +497,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   int push_left = 0;  // receivers of our tokens not served yet
   if (push) {
     for (int d = 0; d < R; ++d) push_left += my_dest_tokens[d] > 0;
-    const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
     if (!in.cached) {
+      const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
       nh->send_rows.assign(static_cast<size_t>(in.num_tokens) * (by_expert ? K : R), -1);
       nh->pushed = true;
     }
@@ -529,6 +529,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     // A fresh dispatch records in its handle where every copy went; a cached one reads it there.
     int32_t* send_rows = in.cached ? nullptr : nh->send_rows.data();
     const int32_t* sent_to = in.cached ? hd->send_rows.data() : nullptr;
+    const int copy_slots = by_expert ? K : R;  // entries per token of send_rows (Handle::Impl::for_each_copy)
     // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
     std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
     const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
@@ -545,23 +546,17 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         copy_row(dest[d] + row * bytes, x, bytes, false);
         if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, scales, scale_bytes);
       };
-      if (in.cached) {  // the same rows as the fresh dispatch (same order rule: K = 0 is rank_major)
-        if (by_expert) {
-          for (int k = 0; k < K; ++k) {
-            const int32_t id = hd->topk_ids[t * K + k];
-            if (id >= 0 && now[id / L]) put(id / L, sent_to[t * K + k]);
-          }
-        } else {
-          for (int d = 0; d < R; ++d)
-            if (now[d] && hd->in_rank[t * R + d]) put(d, sent_to[t * R + d]);
-        }
+      if (in.cached) {  // the same rows as the fresh dispatch
+        hd->for_each_copy(t, [&](int slot, int holder) {
+          if (now[holder]) put(holder, sent_to[t * copy_slots + slot]);
+        });
         continue;
       }
       for (int d = 0; d < R; ++d) {
         if (!now[d]) continue;
         auto write = [&](int64_t row, int k) {
           put(d, row);
-          send_rows[by_expert ? t * K + k : t * R + d] = static_cast<int32_t>(row);
+          send_rows[t * copy_slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
         };
         if (K == 0) {
           if (in.in_rank[t * R + d]) write(next[d]++, -1);

@@ -44,6 +44,21 @@ struct Handle::Impl {
   // holders' x at these rows.
   std::vector<int32_t> send_rows;
   bool pushed = false;  // send_rows hold the placement (every rank pushed its rows in that dispatch)
+
+  // The copies of own token t in canonical order (spec/normal-mode.md §5): f(slot, holder) per top-k slot k
+  // with an expert, ascending (expert_major: slot k, holder the expert's rank), or per destination rank d,
+  // ascending (rank_major: slot d, holder d). Slots index [T * slots] arrays such as send_rows.
+  bool by_slot() const { return order == ReceiveOrder::expert_major && num_topk > 0; }
+  template <typename F>
+  void for_each_copy(int64_t t, F&& f) const {
+    if (by_slot()) {
+      for (int k = 0; k < num_topk; ++k)
+        if (const int32_t id = topk_ids[t * num_topk + k]; id >= 0) f(k, id / num_local);
+      return;
+    }
+    for (int d = 0; d < num_ranks; ++d)
+      if (in_rank[t * num_ranks + d]) f(d, d);
+  }
 };
 
 }  // namespace epcomm
