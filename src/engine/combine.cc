@@ -398,8 +398,9 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   for (int64_t t = 0; t < T; ++t) {
     const Copies& c = bufs[t % 2];
     if (t + 1 < T) {
-      gather(t + 1, bufs[(t + 1) % 2]);
-      prefetch_row_starts(bufs[(t + 1) % 2].rows, bufs[(t + 1) % 2].n, row_bytes);
+      Copies& next = bufs[(t + 1) % 2];
+      gather(t + 1, next);
+      prefetch_row_starts(next.rows, next.n, row_bytes, c.rows, c.n);
     }
     reduce_token(in.dtype, c.rows, expert ? c.w : nullptr, c.n, in.hidden,
                  in.bias1 ? in.bias1 + t * row_bytes : nullptr, in.bias2 ? in.bias2 + t * row_bytes : nullptr,

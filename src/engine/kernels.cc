@@ -2,8 +2,10 @@
 #include "engine/kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -115,10 +117,10 @@ template <typename Fmt>
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 constexpr int64_t kVecBlock = kSumBlock;
 
-template <DType DT, typename Fmt>
-[[gnu::target("avx512f")]] void reduce_avx512(const uint8_t* const* rows, const float* weights, int n,
-                                              int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
-                                              uint8_t* out) {
+template <DType DT, typename Fmt, int N>
+[[gnu::target("avx512f")]] void reduce_avx512_n(const uint8_t* const* rows, const float* weights, int n,
+                                                int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
+                                                uint8_t* out) {
   constexpr size_t elem = DT == DType::f32 ? 4 : 2;
   // Without biases a bf16 row is rounded in registers and written around the cache: combined_x is
   // written once and not read back by the reduction, so its lines need no read-for-ownership.
@@ -127,11 +129,28 @@ template <DType DT, typename Fmt>
   int64_t c0 = 0;
   for (; c0 + kVecBlock <= hidden; c0 += kVecBlock) {
     __m512 a0, a1, a2, a3;
-    sum_block_avx512<DT>(rows, weights, n, c0, a0, a1, a2, a3);
+    sum_block_avx512<DT, N>(rows, weights, n, c0, a0, a1, a2, a3);
     finish_block_avx512<DT, Fmt>(a0, a1, a2, a3, c0, bias1, bias2, out, stream);
   }
   if (stream) _mm_sfence();  // order the streaming stores before the tail and whatever publishes the row
   if (c0 < hidden) reduce_block_t<Fmt>(rows, weights, n, c0, hidden, bias1, bias2, out);
+}
+
+// A token's copies counted at compile time where there are at most 8 (top-k <= 8 in expert_major, up to 8
+// ranks in rank_major: the common cases), a run-time count beyond (entry 0).
+using ReduceNFn = void (*)(const uint8_t* const*, const float*, int, int64_t, const uint8_t*, const uint8_t*,
+                           uint8_t*);
+template <DType DT, typename Fmt, int... N>
+constexpr std::array<ReduceNFn, sizeof...(N)> reduce_avx512_table(std::integer_sequence<int, N...>) {
+  return {reduce_avx512_n<DT, Fmt, N>...};
+}
+
+template <DType DT, typename Fmt>
+[[gnu::target("avx512f")]] void reduce_avx512(const uint8_t* const* rows, const float* weights, int n,
+                                              int64_t hidden, const uint8_t* bias1, const uint8_t* bias2,
+                                              uint8_t* out) {
+  static constexpr auto kByCount = reduce_avx512_table<DT, Fmt>(std::make_integer_sequence<int, 9>{});
+  kByCount[n < static_cast<int>(kByCount.size()) ? n : 0](rows, weights, n, hidden, bias1, bias2, out);
 }
 
 [[gnu::target("avx2"), gnu::always_inline]] inline __m256 load8_avx2(DType dt, const uint8_t* x) {
@@ -213,10 +232,13 @@ const ReduceKernels kReduce = pick_reduce_kernels();
 
 }  // namespace
 
-void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes) {
+void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes, const uint8_t* const* prev,
+                         int prev_n) {
   const size_t bytes = std::min<size_t>(row_bytes, 1024);  // the kernels' prefetch distance
-  for (int j = 0; j < n; ++j)
+  for (int j = 0; j < n; ++j) {
+    if (j < prev_n && rows[j] == prev[j] + row_bytes) continue;  // a stream the hardware already follows
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(rows[j] + off, 0, 3);
+  }
 }
 
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,

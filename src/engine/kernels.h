@@ -32,7 +32,11 @@ void reduce_partial(DType dt, const uint8_t* const* rows, const float* weights, 
 void finish_partials(DType dt, const float* const* parts, int n, int64_t hidden, const uint8_t* bias1,
                      const uint8_t* bias2, uint8_t* out);
 // Prefetches the first bytes of each of `n` rows (what reduce_token reads before its own prefetch runs
-// ahead), so that the next token's misses overlap the current token's reduction.
-void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes);
+// ahead), so that the next token's misses overlap the current token's reduction. A row that directly
+// follows the same copy of the previous token (`prev[j] + row_bytes`, j < prev_n) is skipped: the
+// hardware prefetcher already streams it, and a software prefetch there only takes a miss buffer (on the
+// development VM it cost rank_major's direct combine 10-20%, docs/performance.md).
+void prefetch_row_starts(const uint8_t* const* rows, int n, size_t row_bytes,
+                         const uint8_t* const* prev = nullptr, int prev_n = 0);
 
 }  // namespace epcomm::engine

@@ -23,7 +23,8 @@ using testing::store_rounded;
 
 constexpr DType kDtypes[] = {DType::bf16, DType::f16, DType::f32};
 constexpr int64_t kWidths[] = {1, 15, 63, 64, 65, 200, 7168};
-constexpr int kCounts[] = {0, 1, 2, 3, 8};
+// Every count the vector kernels unroll at compile time (1-8), and run-time counts beyond.
+constexpr int kCounts[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13};
 
 // A value of `dtype` as raw bytes: mostly ordinary numbers, sometimes a special one.
 void random_element(SplitMix64& rng, DType dtype, uint8_t* out) {
