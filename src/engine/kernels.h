@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "epcomm/tensor.h"
 
@@ -23,6 +24,15 @@ void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, in
 // `rows[i]` points at contribution i (dtype `dt`, `hidden` elements); bias pointers may be null.
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                   const uint8_t* bias1, const uint8_t* bias2, uint8_t* out);
+
+// The implementations of reduce_token this CPU can run, best first ("avx512", "avx2", then "portable"):
+// reduce_token uses the first. Every one gives the same bits; the tests check each against an oracle.
+struct ReduceKernel {
+  const char* name;
+  void (*run)(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
+              const uint8_t* bias1, const uint8_t* bias2, uint8_t* out);
+};
+std::vector<ReduceKernel> reduce_kernels();
 
 // Internode (partial_kernels.cc): one node's f32 partial p = +0 + c_1 + ... + c_n of a token (c as in
 // reduce_token), and the origin's acc = +0 + p_1 + ... + p_n over nodes in ascending order, then the biases,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "engine/kernels.h"
@@ -28,8 +29,15 @@ constexpr int kCounts[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13};
 
 // A value of `dtype` as raw bytes: mostly ordinary numbers, sometimes a special one.
 void random_element(SplitMix64& rng, DType dtype, uint8_t* out) {
-  static const float specials[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 65504.0f, 3e38f, -3e38f,
-                                   f32_from_bits(0x7F800000u), f32_from_bits(0xFF800000u),
+  static const float specials[] = {0.0f,
+                                   -0.0f,
+                                   1e-40f,
+                                   -3e-39f,
+                                   65504.0f,
+                                   3e38f,
+                                   -3e38f,
+                                   f32_from_bits(0x7F800000u),
+                                   f32_from_bits(0xFF800000u),
                                    f32_from_bits(0x7FC00001u)};
   float v;
   if (rng.below(50) == 0)
@@ -109,12 +117,32 @@ TEST(CombineKernels, OneNodeReductionMatchesOracle) {
     std::vector<uint8_t> got(c.hidden * es + 64), want(c.hidden * es);
     // 64-byte aligned output, as the library's allocations are (the bf16 path streams then).
     uint8_t* out = got.data() + ((64 - reinterpret_cast<uintptr_t>(got.data()) % 64) % 64);
-    reduce_token(c.dt, ptrs.data(), c.weighted ? w.data() : nullptr, c.n, c.hidden, p1, p2, out);
     for (int64_t i = 0; i < c.hidden; ++i)
       oracle_finish(c.dt, oracle_partial(c.dt, rows, c.weighted ? w.data() : nullptr, i), p1, p2, i,
                     want.data() + i * es);
-    ASSERT_EQ(0, std::memcmp(out, want.data(), want.size())) << describe(c);
+    reduce_token(c.dt, ptrs.data(), c.weighted ? w.data() : nullptr, c.n, c.hidden, p1, p2, out);
+    ASSERT_EQ(0, std::memcmp(out, want.data(), want.size())) << describe(c) << " (reduce_token)";
+    // Every implementation this CPU runs, not only the one reduce_token picked.
+    for (const ReduceKernel& k : reduce_kernels()) {
+      std::memset(out, 0xA5, want.size());
+      k.run(c.dt, ptrs.data(), c.weighted ? w.data() : nullptr, c.n, c.hidden, p1, p2, out);
+      ASSERT_EQ(0, std::memcmp(out, want.data(), want.size())) << describe(c) << " (" << k.name << ")";
+    }
   });
+}
+
+TEST(CombineKernels, EveryKernelThisCpuRunsIsListedBestFirst) {
+  const std::vector<ReduceKernel> k = reduce_kernels();
+  std::vector<std::string> names;
+  for (const ReduceKernel& e : k) names.push_back(e.name);
+  std::vector<std::string> want;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) want.push_back("avx512");
+  if (__builtin_cpu_supports("avx2")) want.push_back("avx2");
+#endif
+  want.push_back("portable");
+  EXPECT_EQ(want, names);
 }
 
 TEST(CombineKernels, NodePartialsAndTheirSumMatchOracle) {
