@@ -15,7 +15,6 @@ struct ExpertMap {
   // 32-bit division (expert ids are below kMaxExperts): a 64-bit one cost several times more. Per-slot loops
   // of dispatch ask hosts() instead.
   int rank_of(int64_t e) const { return static_cast<int32_t>(e) / num_local; }
-  int local_of(int64_t e) const { return static_cast<int32_t>(e) % num_local; }
   // Whether rank d hosts expert e (e >= 0 or -1 for "no expert"): a range check, no division.
   bool hosts(int d, int64_t e) const {
     return static_cast<uint64_t>(e - static_cast<int64_t>(d) * num_local) < static_cast<uint64_t>(num_local);
