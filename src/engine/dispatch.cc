@@ -564,6 +564,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
     std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
     const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
+    // A token's rows on every receiver served now, written in one pass over it (copy_row_to).
+    std::vector<uint8_t*> rows_to(static_cast<size_t>(copy_slots));
     for (int64_t t = 0; t < in.num_tokens; ++t) {
       const uint8_t* x = in.x + t * in.x_row_bytes;
       if (f.quantize) {  // once per token, whatever the number of its rows
@@ -573,28 +575,31 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         gather_scales(token.data(), in.scales, t, in.scale_stride0, in.scale_stride1, f.scale_cols,
                       dtype_size(f.scale_dtype));
       }
+      int n_to = 0;
       auto put = [&](int d, int64_t row) {
-        copy_row(dest[d] + row * bytes, x, bytes, false);
+        rows_to[n_to++] = dest[d] + row * bytes;
         if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, scales, scale_bytes);
       };
       if (in.cached) {  // the same rows as the fresh dispatch
         hd->for_each_copy(t, [&](int slot, int holder) {
           if (now[holder]) put(holder, sent_to[t * copy_slots + slot]);
         });
-        continue;
-      }
-      for (int d = 0; d < R; ++d) {
-        if (!now[d]) continue;
-        auto write = [&](int64_t row, int k) {
-          put(d, row);
-          send_rows[t * copy_slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
-        };
-        if (K == 0) {
-          if (in.in_rank[t * R + d]) write(next[d]++, -1);
-        } else {
-          for_each_row(map, by_expert, &in.ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d], write);
+      } else {
+        for (int d = 0; d < R; ++d) {
+          if (!now[d]) continue;
+          auto write = [&](int64_t row, int k) {
+            put(d, row);
+            send_rows[t * copy_slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
+          };
+          if (K == 0) {
+            if (in.in_rank[t * R + d]) write(next[d]++, -1);
+          } else {
+            for_each_row(map, by_expert, &in.ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d],
+                         write);
+          }
         }
       }
+      copy_row_to(rows_to.data(), n_to, x, bytes, false);
     }
     store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
     for (int d = 0; d < R; ++d)

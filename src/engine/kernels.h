@@ -13,6 +13,9 @@ namespace epcomm::engine {
 // Copies one payload row (large rows with streaming stores). `fence` false: the caller issues one
 // store_fence() after a batch of rows, before whatever publishes them.
 void copy_row(void* dst, const void* src, size_t bytes, bool fence = true);
+// Copies one row to each of `n` destinations in one pass over the source (each block loaded once, stored
+// to every destination), as copy_row would one by one.
+void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, bool fence = true);
 void store_fence();
 
 // Packs row t of a strided scales tensor (element (t, c) at base + (t*st0 + c*st1) * elem) contiguously.
