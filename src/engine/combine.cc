@@ -371,7 +371,7 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
                      : nullptr;
   }
   const int32_t* at = hd.send_rows.data();
-  const int slots = hd.by_slot() ? K : R;
+  const int slots = hd.copy_slots();
   uint8_t* cx = out.combined_x.data_as<uint8_t>();
   // rank_major: combined_topk_weights (returned with receiving-side weights) sums the holders' rows of them.
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;

@@ -529,8 +529,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   if (push) {
     for (int d = 0; d < R; ++d) push_left += my_dest_tokens[d] > 0;
     if (!in.cached) {
-      const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
-      nh->send_rows.assign(static_cast<size_t>(in.num_tokens) * (by_expert ? K : R), -1);
+      nh->send_rows.assign(static_cast<size_t>(in.num_tokens) * nh->copy_slots(), -1);
       nh->pushed = true;
     }
   }
@@ -560,7 +559,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     // A fresh dispatch records in its handle where every copy went; a cached one reads it there.
     int32_t* send_rows = in.cached ? nullptr : nh->send_rows.data();
     const int32_t* sent_to = in.cached ? hd->send_rows.data() : nullptr;
-    const int copy_slots = by_expert ? K : R;  // entries per token of send_rows (Handle::Impl::for_each_copy)
+    const int copy_slots = (in.cached ? *hd : *nh).copy_slots();  // entries per token of send_rows
     // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
     std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
     const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();

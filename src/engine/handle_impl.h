@@ -49,6 +49,7 @@ struct Handle::Impl {
   // with an expert, ascending (expert_major: slot k, holder the expert's rank), or per destination rank d,
   // ascending (rank_major: slot d, holder d). Slots index [T * slots] arrays such as send_rows.
   bool by_slot() const { return order == ReceiveOrder::expert_major && num_topk > 0; }
+  int copy_slots() const { return by_slot() ? num_topk : num_ranks; }  // entries per token of send_rows
   template <typename F>
   void for_each_copy(int64_t t, F&& f) const {
     if (by_slot()) {

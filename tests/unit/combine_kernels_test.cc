@@ -1,7 +1,8 @@
 // unit/combine_kernels_test.cc — the combine reductions (spec/normal-mode.md §5.1) against the oracle's own
 // scalar arithmetic, bit for bit: the one-node reduction (reduce_token) and the two halves of the
-// hierarchical one (reduce_partial, finish_partials), whichever vector kernel the CPU selects. Widths cover
-// the 64-element register blocks and their tails; inputs include NaN, infinities, -0 and subnormals.
+// hierarchical one (reduce_partial, finish_partials); the one-node reduction in every kernel the CPU runs.
+// Widths cover the 64-element register blocks and their tails; inputs include NaN, infinities, -0 and
+// subnormals.
 #include <gtest/gtest.h>
 
 #include <cstring>
