@@ -40,9 +40,12 @@ const char* kBenchEpilog =
     "one rank per MPI process (--ranks is the world size; this also measures the baseline):\n"
     "  mpirun -n 2 epcomm bench --bootstrap mpi\n"
     "  (as root: mpirun --allow-run-as-root -n 2 ...; ranks must share one host.)\n\n"
+    "Phases: epcomm's iterations of every token count and order first; then (MPI) the baseline of each\n"
+    "line; then the memcpy limit of each line; then rank 0 prints the lines. The baseline and the memcpy\n"
+    "limit touch GBs of fresh memory, which slowed the next epcomm call 3-25x on the development VM, so no\n"
+    "such measurement runs between two epcomm lines (docs/performance.md, \"First calls\").\n\n"
     "Baseline (--bootstrap mpi only): the same operation as written without epcomm, on the same inputs,\n"
-    "timed after epcomm's iterations with its own warm-up and a barrier before each call (not interleaved:\n"
-    "its per-call allocations slowed the epcomm calls that followed them on the development VM).\n"
+    "timed after all of epcomm's lines with its own warm-up and a barrier before each call.\n"
     "dispatch: MPI_Alltoall of the counts per (rank, expert); pack\n"
     "rows and their top-k ids and weights per destination (expert_major: one row per (token, slot), by\n"
     "local expert, token, slot; rank_major: one row per (token, destination rank), by token);\n"
@@ -50,9 +53,9 @@ const char* kBenchEpilog =
     "local expert, sources in rank order, PAD rows to the alignment; rank_major lands in order). combine:\n"
     "pack per source, MPI_Alltoallv back (rank_major also the weights), then spec §5.1's fp32 reduction\n"
     "in canonical order (slot k, or destination rank), one rounding. Its first iteration must equal\n"
-    "epcomm's outputs bitwise (baseline_verified). Its packing, unpacking and reduction run on the\n"
-    "calling thread of each rank, whatever --threads says. Open MPI picks its transports (on one host: "
-    "shared\n"
+    "epcomm's first outputs bitwise (baseline_verified; compared through a 64-bit digest of every\n"
+    "row). Its packing, unpacking and reduction run on the calling thread of each rank, whatever\n"
+    "--threads says. Open MPI picks its transports (on one host: shared\n"
     "memory). Without MPI (--bootstrap local, or a quantizing --quant) the baseline fields are null.\n\n"
     "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts,\n"
     "expert_alignment, dtype, quant, launcher (fork|threads|mpi), threads, iters, warmup, rows, row_bytes,\n"
@@ -206,6 +209,8 @@ struct OrderRun {
   double pss_mb = 0;                  // after epcomm's first iteration, its outputs alive
   double first_s[2] = {0, 0};         // the first (warm-up) iteration's dispatch and combine times
   double peak_rss_mb = 0;             // after epcomm's first iteration, before the baseline's buffers exist
+  int64_t net_pairs = 0;              // several nodes: (token, other node that needs it) pairs of this rank
+  OutputDigests digests;              // under MPI: epcomm's first outputs, for the baseline's check
 };
 
 DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Inputs& in,
@@ -260,11 +265,11 @@ void check_first(const RunOptions& ro, ReceiveOrder order, int r, const std::str
   run.combine_bytes = run.rows * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
 }
 
-// Compares the baseline's first iteration with epcomm's, bitwise.
+// Compares the baseline's first iteration with epcomm's (the digests of its first iteration's outputs).
 void check_baseline(const RunOptions& ro, int r, const std::string& name, const AlltoallvBaseline& b,
-                    const DispatchResult& d, const CombineResult& c, OrderRun& run) {
-  const std::string whys[2] = {compare_dispatch(b, d, ro.hidden, ro.topk),
-                               compare_combine(b, c, ro.tokens, ro.topk)};
+                    OrderRun& run) {
+  const std::string whys[2] = {compare_dispatch(b, run.digests, ro.topk),
+                               compare_combine(b, run.digests, ro.topk)};
   for (const std::string& why : whys)
     if (!why.empty())
       std::fprintf(stderr, "epcomm bench: %s: the baseline differs from epcomm on rank %d: %s\n",
@@ -273,11 +278,9 @@ void check_baseline(const RunOptions& ro, int r, const std::string& name, const 
   run.baseline_combine_ok = whys[1].empty();
 }
 
-// --warmup + --iters iterations of epcomm's dispatch and combine, then (with_baseline) as many of the
-// baseline's, each block after its own warm-up. A barrier precedes every timed call. The two are not
-// interleaved: the baseline allocates and frees its buffers (GBs) in every iteration, and on the development
-// VM that churn made the epcomm dispatch that followed it 3-4x slower (its cached output blocks were as slow
-// to write as fresh memory afterwards; docs/performance.md), which measured the VM, not epcomm.
+// --warmup + --iters iterations of epcomm's dispatch and combine. A barrier precedes every timed call. Under
+// MPI (with_baseline) the first iteration's outputs are digested for the baseline, which runs after every
+// epcomm line (run_baseline).
 OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs, const Inputs& in,
                    bool with_baseline, Progress& progress) {
   const RunOptions& ro = o.run;
@@ -301,9 +304,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   const std::string name =
       std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
   progress.phase(name + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
-                 " timed iterations" + (with_baseline ? ", then as many of the MPI_Alltoallv baseline" : ""));
-  std::optional<DispatchResult> first_d;  // the first iteration's results, kept for the baseline's check
-  std::optional<CombineResult> first_c;
+                 " timed iterations");
   for (int it = -o.warmup; it < iters; ++it) {
     const bool first = it == -o.warmup;
     bs.barrier();
@@ -347,10 +348,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       check_first(ro, order, r, name, in, *d, *c, run);
       run.peak_rss_mb = peak_rss_mb();
       run.pss_mb = pss_mb();
-      if (with_baseline) {
-        first_d = std::move(d);
-        first_c = std::move(c);
-      }
+      if (with_baseline) run.digests = digest_outputs(*d, *c, ro.hidden, ro.topk);
       if (o.warmup > 0) progress.phase(name + ": timing");
     }
   }
@@ -362,8 +360,18 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   run.pushed_dispatch =
       copies_after.dispatch_pushed_tokens - copies_before.dispatch_pushed_tokens == all_tokens;
   run.combine_in_place = copies_after.combine_copied_rows == copies_before.combine_copied_rows;
-  if (!with_baseline) return run;
+  return run;
+}
 
+// The baseline's --warmup + --iters iterations of one order (after every epcomm line: its per-call
+// allocations of GBs slowed the epcomm calls that followed them on the development VM), its first checked
+// against epcomm's digests.
+void run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& bs, const Inputs& in, Buffer& buffer,
+                  OrderRun& run, Progress& progress) {
+  const RunOptions& ro = o.run;
+  const int r = bs.rank(), iters = ro.iters;
+  const std::string name =
+      std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
   std::unique_ptr<AlltoallvBaseline> baseline = make_baseline(ro, order, bs, in, buffer);
   progress.phase(name + ": the MPI_Alltoallv baseline, " + std::to_string(o.warmup) + " warmup + " +
                  std::to_string(iters) + " timed iterations");
@@ -381,13 +389,9 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       run.baseline_times[it] = bd;
       run.baseline_times[iters + it] = bc;
     }
-    if (it == -o.warmup) {
-      check_baseline(ro, r, name, *baseline, *first_d, *first_c, run);
-      first_d.reset();
-      first_c.reset();
-    }
+    if (it == -o.warmup) check_baseline(ro, r, name, *baseline, run);
   }
-  return run;
+  run.digests = OutputDigests();
 }
 
 // Median, min, p99 and max (us) of the slowest rank's time per iteration, from all ranks' times of one op.
@@ -546,17 +550,37 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   std::fflush(stdout);
 }
 
-// One order at one token count: epcomm interleaved with the baseline, then the memcpy limit of the same
-// bytes.
-OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs,
-                          const Inputs& in, Progress& progress) {
+// epcomm's iterations of one order at one token count (its peak resident set from a fresh window).
+OrderRun measure_epcomm(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs,
+                        const Inputs& in, bool with_baseline, Progress& progress) {
   const RunOptions& ro = o.run;
-  OrderReport rep;
-  rep.has_baseline = baseline_absent_reason(ro) == nullptr;
   bs.barrier();
   reset_peak_rss();
   bs.barrier();
-  const OrderRun run = run_order(o, order, buffer, bs, in, rep.has_baseline, progress);
+  OrderRun run = run_order(o, order, buffer, bs, in, with_baseline, progress);
+  if (buffer.num_nodes() > 1) {
+    const int L = ro.experts / ro.ranks, me = bs.rank();
+    for (int64_t t = 0; t < ro.tokens; ++t) {
+      std::vector<int> seen;
+      for (int k = 0; k < ro.topk; ++k) {
+        const int64_t e = in.routing.ids[t * ro.topk + k];
+        if (e < 0) continue;
+        const int n = buffer.node_of(static_cast<int>(e / L));
+        if (n != buffer.node_of(me) && std::find(seen.begin(), seen.end(), n) == seen.end())
+          seen.push_back(n);
+      }
+      run.net_pairs += static_cast<int64_t>(seen.size());
+    }
+  }
+  return run;
+}
+
+// One line's memcpy limit of the same byte counts, and every rank's figures gathered.
+OrderReport report_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bootstrap& bs,
+                         const OrderRun& run, bool with_baseline, Progress& progress) {
+  const RunOptions& ro = o.run;
+  OrderReport rep;
+  rep.has_baseline = with_baseline;
   progress.phase(std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) +
                  " tokens: memcpy of the same byte counts");
   rep.memcpy_gbps[0] = concurrent_memcpy_gbps(bs, run.dispatch_bytes, o.threads);
@@ -571,22 +595,7 @@ OrderReport measure_order(const BenchOptions& o, ReceiveOrder order, Buffer& buf
   rep.pss_mb = all_gather_values(bs, std::vector<double>{run.pss_mb});
   rep.first_s = all_gather_values(bs, std::vector<double>{run.first_s[0], run.first_s[1]});
   rep.nodes = buffer.num_nodes();
-  if (rep.nodes > 1) {
-    int64_t pairs = 0;
-    const int L = ro.experts / ro.ranks, me = bs.rank();
-    for (int64_t t = 0; t < ro.tokens; ++t) {
-      std::vector<int> seen;
-      for (int k = 0; k < ro.topk; ++k) {
-        const int64_t e = in.routing.ids[t * ro.topk + k];
-        if (e < 0) continue;
-        const int n = buffer.node_of(static_cast<int>(e / L));
-        if (n != buffer.node_of(me) && std::find(seen.begin(), seen.end(), n) == seen.end())
-          seen.push_back(n);
-      }
-      pairs += static_cast<int64_t>(seen.size());
-    }
-    rep.net_pairs = all_gather_values(bs, std::vector<int64_t>{pairs});
-  }
+  if (rep.nodes > 1) rep.net_pairs = all_gather_values(bs, std::vector<int64_t>{run.net_pairs});
   return rep;
 }
 
@@ -645,20 +654,43 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   if (r == 0 && !ro.quiet)
     if (const char* why = baseline_absent_reason(ro)) std::fprintf(stderr, "epcomm bench: %s\n", why);
 
-  bool all_ok = true;
-  std::vector<PlotPoint> plot;
+  // Three phases, so that no reference measurement runs between two of epcomm's lines: (1) epcomm, every
+  // token count and order; (2) under MPI, the baseline of each line; (3) the memcpy limit of each line, then
+  // the lines. The baseline and the memcpy limit touch GBs of fresh memory, and on the development VM
+  // epcomm's next call after that ran 3-25x slower (its memory as slow as fresh: docs/performance.md,
+  // "First calls"); epcomm's first call of a line then measured the VM, not epcomm.
+  struct Line {
+    int64_t tokens;
+    ReceiveOrder order;
+    OrderRun run;
+  };
+  std::vector<Line> lines;
+  const bool with_baseline = baseline_absent_reason(ro) == nullptr;
   for (int64_t T : o.tokens) {
     ro.tokens = T;
     progress.phase(std::to_string(T) + " tokens per rank: generating tokens and routing");
     const Inputs in = make_inputs(ro, r, buffer);
-    for (ReceiveOrder order : o.orders) {
-      OrderReport rep = measure_order(o, order, buffer, bs, in, progress);
-      rep.link_gbps = link_gbps;
-      for (int s = 0; s < ro.ranks; ++s)
-        all_ok = all_ok && rep.counts[s * kCounts + 3] == 1 && rep.counts[s * kCounts + 4] == 1 &&
-                 rep.counts[s * kCounts + 5] == 1;
-      if (r == 0) print_lines(o, order, rep, buffer.num_nvl_bytes(), plot);
+    for (ReceiveOrder order : o.orders)
+      lines.push_back({T, order, measure_epcomm(o, order, buffer, bs, in, with_baseline, progress)});
+  }
+  if (with_baseline)
+    for (int64_t T : o.tokens) {
+      ro.tokens = T;
+      progress.phase(std::to_string(T) + " tokens per rank: the same tokens and routing for the baseline");
+      const Inputs in = make_inputs(ro, r, buffer);  // the same bits: they derive from --seed
+      for (Line& l : lines)
+        if (l.tokens == T) run_baseline(o, l.order, bs, in, buffer, l.run, progress);
     }
+  bool all_ok = true;
+  std::vector<PlotPoint> plot;
+  for (const Line& l : lines) {
+    ro.tokens = l.tokens;
+    OrderReport rep = report_order(o, l.order, buffer, bs, l.run, with_baseline, progress);
+    rep.link_gbps = link_gbps;
+    for (int s = 0; s < ro.ranks; ++s)
+      all_ok = all_ok && rep.counts[s * kCounts + 3] == 1 && rep.counts[s * kCounts + 4] == 1 &&
+               rep.counts[s * kCounts + 5] == 1;
+    if (r == 0) print_lines(o, l.order, rep, buffer.num_nvl_bytes(), plot);
   }
   if (r == 0 && !o.plot.empty()) {
     write_bench_svg(o.plot, shape_title(o),

@@ -72,10 +72,28 @@ class AlltoallvBaseline {
   std::unique_ptr<State> s_;
 };
 
-// "" when the baseline's dispatch outputs equal epcomm's bitwise (rows, ids, weights, list), else what
-// differs first.
-std::string compare_dispatch(const AlltoallvBaseline& b, const DispatchResult& d, int64_t hidden, int topk);
-// "" when the baseline's combine outputs equal epcomm's bitwise, else what differs first.
-std::string compare_combine(const AlltoallvBaseline& b, const CombineResult& c, int64_t tokens, int topk);
+// What the baseline is checked against: 64-bit digests of every row of epcomm's first-iteration outputs
+// (bench_baseline_check.cc), so that those outputs need not stay alive while the bench runs epcomm's other
+// lines; the baseline runs after all of them. Two rows that differ agree in their digests with a chance of
+// about 2^-64.
+struct OutputDigests {
+  int64_t rows = 0;        // dispatch rows (PAD rows included)
+  size_t row_bytes = 0;    // bytes per recv_x row
+  bool plain_rows = true;  // rows of H elements of the dtype (false: quantized rows, no baseline)
+  std::vector<uint64_t> recv_x, recv_topk_idx, recv_topk_weights;  // per row
+  bool has_list = false;
+  std::vector<int64_t> list;  // num_recv_tokens_per_expert_list, as it is
+  int64_t tokens = 0;         // combine rows
+  size_t combined_row_bytes = 0;
+  std::vector<uint64_t> combined_x, combined_topk_weights;  // per token
+  bool has_combined_weights = false;
+};
+OutputDigests digest_outputs(const DispatchResult& d, const CombineResult& c, int64_t hidden, int topk);
+
+// "" when the baseline's dispatch outputs equal epcomm's (rows, ids, weights, list), else the first row
+// that differs.
+std::string compare_dispatch(const AlltoallvBaseline& b, const OutputDigests& epcomm, int topk);
+// "" when the baseline's combine outputs equal epcomm's, else the first row that differs.
+std::string compare_combine(const AlltoallvBaseline& b, const OutputDigests& epcomm, int topk);
 
 }  // namespace epcomm::cli
