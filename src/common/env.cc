@@ -100,14 +100,18 @@ int ranks_per_node() {
   return static_cast<int>(p);
 }
 
+bool ranks_outnumber_cores(int local_ranks) {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw != 0 && static_cast<unsigned>(local_ranks) > hw;
+}
+
 int spin_count(int local_ranks) {
   if (auto v = get("EPCOMM_SPIN")) {
     int x = std::atoi(v->c_str());
     return x < 0 ? 0 : x;
   }
   // Spinning only pays when every rank has a core of its own; oversubscribed waiters sleep at once.
-  unsigned hw = std::thread::hardware_concurrency();
-  return (hw == 0 || static_cast<unsigned>(local_ranks) <= hw) ? 20000 : 16;
+  return ranks_outnumber_cores(local_ranks) ? 16 : 20000;
 }
 
 std::string ucx_write_mode() {

@@ -523,7 +523,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   // into its place there (the receivers' plans give the rows; the order matches their reading of our
   // routing: ascending tokens, top-k slots in order), then fence and raise our cell in its segment. One pass
   // over our tokens serves every receiver ready by then (one read of a token for all its rows); a receiver
-  // that comes later gets a pass of its own, so that a late rank does not hold up the others' rows.
+  // that comes later gets a pass of its own, so that a late rank does not hold up the others' rows (unless
+  // the ranks outnumber the cores: then we wait for all of them, below).
   std::vector<char> pushed_to(R, 0);
   int push_left = 0;  // receivers of our tokens not served yet
   if (push) {
@@ -539,6 +540,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   auto pushed_by = [&](int s) {
     return ctx.cell(me, s)->pushed.load(std::memory_order_acquire) >= pack(seq, 1);
   };
+  const bool oversubscribed = tp.oversubscribed();
   auto push_rows = [&](const std::vector<char>& now) {
     std::vector<uint8_t*> dest(R, nullptr), dest_scales(R, nullptr);
     std::vector<int64_t> next(R, 0);              // rank_major: receiver d's next row for our tokens
@@ -718,9 +720,13 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         // of the rows we receive is filled (and acknowledged) before our long pass, not after it.
         if (push_left > 0) {
           std::vector<char> now(R, 0);
-          bool any = false;
-          for (int d = 0; d < R; ++d) any |= now[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
-          if (any) {
+          int ready = 0;
+          for (int d = 0; d < R; ++d)
+            ready += now[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
+          // Ranks outnumbering the cores: a receiver not ready yet is mostly waiting for a core, which our
+          // pass would hold for milliseconds, and serving it later costs a second read of every token. Wait
+          // (asleep) until every receiver is ready and serve them all in one pass.
+          if (ready > 0 && (ready == push_left || !oversubscribed)) {
             push_rows(now);
             progressed = true;  // (`all` above already counted this pass as pending)
           }

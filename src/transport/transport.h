@@ -35,6 +35,9 @@ class Transport {
   virtual bool wait_doorbell(uint32_t seen, Clock::time_point until) const = 0;
   // Rings `rank`'s doorbell after this rank published something it may wait for (release ordering).
   virtual void notify(int rank) const = 0;
+  // Whether the ranks on this host outnumber its cores: a rank that waits for a peer is then often waiting
+  // for that peer to get a core, so it should sleep rather than start work that keeps the core busy.
+  virtual bool oversubscribed() const { return false; }
 
   // The output arenas (shm, when the Buffer asked for them): this rank's, which its outputs are carved from,
   // and every rank's as mapped here (own included), so that a peer writes rows into their final place.

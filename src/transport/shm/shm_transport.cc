@@ -59,6 +59,7 @@ class ShmTransport final : public Transport {
   void notify(int r) const override;
   std::shared_ptr<OutputArena> output_arena() const override { return own_arena_; }
   uint8_t* arena(int r) const override { return arenas_[r]; }
+  bool oversubscribed() const override { return oversubscribed_; }
 
  private:
   ShmHeader* header(int r) const { return reinterpret_cast<ShmHeader*>(maps_[r]); }
@@ -70,6 +71,7 @@ class ShmTransport final : public Transport {
 
   int rank_, size_;
   int spins_;  // polls before sleeping: a waiter only spins when every rank can have its own core
+  bool oversubscribed_ = false;  // the host's ranks outnumber its cores
   size_t bytes_;
   ArenaRequest arena_req_;
   std::vector<uint8_t*> maps_;
@@ -172,6 +174,7 @@ ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t 
       map_bytes_(size_, 0),
       arenas_(size_, nullptr) {
   spins_ = env::spin_count(host_ranks > 0 ? host_ranks : size_);
+  oversubscribed_ = env::ranks_outnumber_cores(host_ranks > 0 ? host_ranks : size_);
   const std::string mode = env::shm_mode();
   const bool named = mode == "named" || !attach(bootstrap, instance, /*memfd=*/true, mode == "memfd");
   if (named) attach(bootstrap, instance, /*memfd=*/false, true);
