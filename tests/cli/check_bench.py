@@ -9,7 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 FIELDS = [
-    "op", "order", "ranks", "tokens", "hidden", "topk", "experts", "expert_alignment", "dtype", "quant",
+    "op", "order", "ranks", "tokens", "hidden", "topk", "experts", "expert_alignment", "dtype", "quant", "cached",
     "launcher", "threads", "iters", "warmup", "rows", "row_bytes", "bytes", "bytes_bf16_equiv",
     "time_us_median", "time_us_min", "time_us_p99", "time_us_max", "gbps", "gbps_bf16_equiv", "memcpy_gbps",
     "ratio_to_memcpy", "baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified",
@@ -35,6 +35,8 @@ def check_lines(args, out, err):
             fail(f"line without {missing}: {j}", out, err)
         if j["verified"] is not True:
             fail(f"verified is not true: {j}", out, err)
+        if j["cached"] is not args.cached:
+            fail(f"cached is {j['cached']}, expected {args.cached}: {j}", out, err)
         if j["memcpy_gbps"] <= 0 or j["gbps"] <= 0 or j["segment_bytes"] <= 0 or j["peak_rss_mb"] <= 0:
             fail(f"a rate, the segment or the peak RSS is not positive: {j}", out, err)
         if len(j["peak_rss_mb_per_rank"]) != j["ranks"] or max(j["peak_rss_mb_per_rank"]) != j["peak_rss_mb"]:
@@ -88,6 +90,7 @@ def main():
     ap.add_argument("--lines", type=int, required=True, help="JSON lines expected")
     ap.add_argument("--baseline", action="store_true", help="expect the MPI baseline measured and verified")
     ap.add_argument("--plot", help="the --plot file the command writes")
+    ap.add_argument("--cached", action="store_true", help="expect cached dispatch lines (bench --cached)")
     ap.add_argument("--nodes", type=int, default=1, help="nodes the run spans (network fields then required)")
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("command", nargs=argparse.REMAINDER)

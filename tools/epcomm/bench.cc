@@ -58,7 +58,8 @@ const char* kBenchEpilog =
     "--threads says. Open MPI picks its transports (on one host: shared\n"
     "memory). Without MPI (--bootstrap local, or a quantizing --quant) the baseline fields are null.\n\n"
     "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts,\n"
-    "expert_alignment, dtype, quant, launcher (fork|threads|mpi), threads, iters, warmup, rows, row_bytes,\n"
+    "expert_alignment, dtype, quant, cached, launcher (fork|threads|mpi), threads, iters, warmup, rows,\n"
+    "row_bytes,\n"
     "bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
     "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
@@ -146,6 +147,7 @@ struct BenchOptions {
   bool copy_input = false;      // --combine-input copy: x is a fresh private copy of the dispatched rows
   bool shared_dispatch_input = false;  // --dispatch-input shared: dispatch reads x from get_dispatch_input
   int64_t output_reserve = -1;         // --output-reserve: BufferOptions::num_output_reserve_bytes; -1 = auto
+  bool cached = false;                 // --cached: the timed dispatches reuse one fresh dispatch's handle
 };
 
 // The baseline exists for plain rows under MPI; the reason it is null otherwise.
@@ -265,6 +267,23 @@ void check_first(const RunOptions& ro, ReceiveOrder order, int r, const std::str
   run.combine_bytes = run.rows * ro.hidden * static_cast<int64_t>(dtype_size(ro.dtype));
 }
 
+// --cached: the first cached dispatch's rows (and scales) must equal the fresh dispatch's, byte for byte.
+void check_cached(int r, const std::string& name, const DispatchResult& fresh, const DispatchResult& cached,
+                  OrderRun& run) {
+  auto same = [](const Tensor& a, const Tensor& b) {
+    return a.nbytes() == b.nbytes() && (a.nbytes() == 0 || std::memcmp(a.data(), b.data(), a.nbytes()) == 0);
+  };
+  const bool ok = same(fresh.recv_x.data, cached.recv_x.data) &&
+                  fresh.recv_x.scales.has_value() == cached.recv_x.scales.has_value() &&
+                  (!fresh.recv_x.scales || same(*fresh.recv_x.scales, *cached.recv_x.scales));
+  if (!ok) {
+    std::fprintf(stderr,
+                 "epcomm bench: %s: the cached dispatch's recv_x differs from the fresh one's on rank %d\n",
+                 name.c_str(), r);
+    run.ok = 0;
+  }
+}
+
 // Compares the baseline's first iteration with epcomm's (the digests of its first iteration's outputs).
 void check_baseline(const RunOptions& ro, int r, const std::string& name, const AlltoallvBaseline& b,
                     OrderRun& run) {
@@ -296,6 +315,21 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     if (sx.nbytes()) std::memcpy(sx.data(), in.x_t.data(), sx.nbytes());
     da.x.data = sx;
   }
+  // --cached: one fresh dispatch, untimed, whose handle every timed dispatch of the line passes (spec §4.7:
+  // x only; the layout, counts, ids and weights are not sent again). It stays alive: the combines use its
+  // handle, ids and weights, and the cached rows are checked bitwise against its rows.
+  std::optional<DispatchResult> fresh;
+  if (o.cached) {
+    bs.barrier();
+    fresh = buffer.dispatch(da);
+    DispatchArgs cached;
+    cached.x = da.x;
+    cached.handle = fresh->handle;
+    cached.quant_mode = da.quant_mode;
+    cached.receive_order = order;
+    cached.config = config;
+    da = cached;
+  }
   const Buffer::CopyCounters copies_before = buffer.copy_counters();
 
   OrderRun run;
@@ -311,6 +345,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     double t0 = now_s();
     std::optional<DispatchResult> d = buffer.dispatch(da);
     const double td = now_s() - t0;
+    const DispatchResult& layout = fresh ? *fresh : *d;  // handle, ids and weights (of the fresh dispatch)
     CombineArgs ca;
     ca.x = combine_input(ro, *d);
     if (o.copy_input) {  // a fresh private tensor, written untimed, as an expert's new output would be
@@ -322,16 +357,16 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       // The area is sized for typical routing; a call whose rows exceed it uses the dispatched tensor.
       Tensor sx;
       if (ca.x.nbytes() <= static_cast<size_t>(buffer.num_combine_input_bytes()))
-        sx = buffer.get_combine_input(*d->handle, ca.x.dtype(), ro.hidden);
+        sx = buffer.get_combine_input(*layout.handle, ca.x.dtype(), ro.hidden);
       if (sx.defined()) {
         if (sx.nbytes()) std::memcpy(sx.data(), ca.x.data(), sx.nbytes());
         ca.x = sx;
       }
       run.shared_input = first ? sx.defined() : run.shared_input && sx.defined();
     }
-    ca.handle = d->handle;
+    ca.handle = layout.handle;
     ca.config = config;
-    if (order == ReceiveOrder::rank_major) ca.topk_weights = d->recv_topk_weights;
+    if (order == ReceiveOrder::rank_major) ca.topk_weights = layout.recv_topk_weights;
     bs.barrier();
     t0 = now_s();
     std::optional<CombineResult> c = buffer.combine(ca);
@@ -345,10 +380,11 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
       run.first_s[0] = td;
       run.first_s[1] = tc;
       progress.phase(name + ": verifying the first iteration");
-      check_first(ro, order, r, name, in, *d, *c, run);
+      check_first(ro, order, r, name, in, layout, *c, run);
+      if (fresh) check_cached(r, name, *fresh, *d, run);
       run.peak_rss_mb = peak_rss_mb();
       run.pss_mb = pss_mb();
-      if (with_baseline) run.digests = digest_outputs(*d, *c, ro.hidden, ro.topk);
+      if (with_baseline) run.digests = digest_outputs(layout, *c, ro.hidden, ro.topk);
       if (o.warmup > 0) progress.phase(name + ": timing");
     }
   }
@@ -375,10 +411,17 @@ void run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& bs, cons
   std::unique_ptr<AlltoallvBaseline> baseline = make_baseline(ro, order, bs, in, buffer);
   progress.phase(name + ": the MPI_Alltoallv baseline, " + std::to_string(o.warmup) + " warmup + " +
                  std::to_string(iters) + " timed iterations");
+  if (o.cached) {  // --cached: planned once, untimed; the timed dispatches move the rows on that plan
+    bs.barrier();
+    baseline->dispatch();
+  }
   for (int it = -o.warmup; it < iters; ++it) {
     bs.barrier();
     double t0 = now_s();
-    baseline->dispatch();
+    if (o.cached)
+      baseline->dispatch_cached();
+    else
+      baseline->dispatch();
     const double bd = now_s() - t0;
     bs.barrier();
     t0 = now_s();
@@ -480,6 +523,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("expert_alignment", ro.expert_alignment)
         .add("dtype", dtype_name(ro.dtype))
         .add("quant", ro.quant_name())
+        .add("cached", o.cached)
         .add("launcher", launcher_name(ro.launcher))
         .add("threads", o.threads)
         .add("iters", iters)
@@ -632,6 +676,7 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     o.output_reserve =
         rows * (std::max<int64_t>(ro.dispatch_row_bytes(), ro.hidden * elem) + ro.topk * 12 + 12) +
         T * (ro.hidden * elem + ro.topk * 4);
+    if (o.cached) o.output_reserve += rows * ro.dispatch_row_bytes();  // the fresh dispatch's rows stay alive
   }
   bo.num_output_reserve_bytes = o.output_reserve;
   if (o.shared_dispatch_input)  // room for the largest --tokens
@@ -709,7 +754,7 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
 int run_quantizer_bench(const FlagParser& p) {
   for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
                            "num-rdma-bytes", "ranks-per-node", "launcher", "timeout", "warmup", "bootstrap",
-                           "threads", "plot", "expert-alignment"})
+                           "threads", "plot", "expert-alignment", "cached"})
     if (p.given(name))
       throw UsageError(std::string("--quantizers: --") + name +
                        " does not apply (the quantizer benchmark reads --tokens, --hidden and --iters)");
@@ -776,10 +821,15 @@ int run_bench(int argc, char** argv) {
         "where dispatch's x (the tokens) lives: shared = Buffer::get_dispatch_input (written there once, "
         "untimed; receivers read the rows in place on one node, nothing is staged), private = an ordinary "
         "buffer (staged once per call)");
+  p.add_switch(
+      "cached",
+      "time cached dispatch: each line first runs one fresh dispatch (untimed) and every timed dispatch "
+      "passes its handle (DispatchArgs::handle: x only, the layout reused); combine uses that handle. Under "
+      "MPI the baseline likewise plans once and then moves only the rows");
   p.add("output-reserve", "auto|B", "auto",
         "BufferOptions::num_output_reserve_bytes: output memory faulted in when the Buffer is created, so "
         "that the first call does not pay first-touch page faults; auto = the outputs of one dispatch and "
-        "combine at the largest --tokens (+2% rows), 0 = none");
+        "combine at the largest --tokens (+2% rows; with --cached also the fresh dispatch's rows), 0 = none");
   p.add_switch("quantizers", "time the block quantizers instead of dispatch and combine (see below)");
   p.set_epilog(kBenchEpilog);
   if (!p.parse(argc, argv)) {
@@ -800,6 +850,7 @@ int run_bench(int argc, char** argv) {
   o.shared_input = combine_in == "shared";
   o.copy_input = combine_in == "copy";
   o.shared_dispatch_input = p.choice("dispatch-input", {"shared", "private"}) == "shared";
+  o.cached = p.on("cached");
   if (p.str("output-reserve") != "auto") o.output_reserve = p.bytes("output-reserve");
   if (!o.plot.empty() && !std::ofstream(o.plot, std::ios::trunc))  // fail now, not after the run
     throw UsageError(bad_value("plot", "a file name that can be written", o.plot));

@@ -61,6 +61,7 @@ struct AlltoallvBaseline::State {
   std::vector<int64_t> src_row;   // [T*K] or [T*R]: which token a send row holds, by send position
   std::vector<int64_t> list;      // aligned rows per local expert
   int64_t send_rows = 0, recv_rows = 0, out_rows = 0;
+  bool rows_only = false;  // dispatch_cached(): the rows move, the plan and the ids and weights stay
 
   // The dispatch send buffer doubles as combine's receive buffer and the dispatch receive buffer as
   // combine's send buffer (same layouts), so the baseline holds three row arrays, not five.
@@ -176,6 +177,7 @@ void AlltoallvBaseline::State::pack() {
   send_w.resize(static_cast<size_t>(send_rows * K));
   for (int64_t p = 0; p < send_rows; ++p)
     std::memcpy(send_x.data() + p * row_bytes, in.x + src_row[p] * row_bytes, static_cast<size_t>(row_bytes));
+  if (rows_only) return;
   std::fill(send_idx.begin(), send_idx.end(), -1);
   std::fill(send_w.begin(), send_w.end(), 0.0f);
   for (int64_t t = 0; t < T; ++t)
@@ -201,6 +203,7 @@ void AlltoallvBaseline::State::exchange_dispatch() {
   check_mpi(MPI_Alltoallv(send_x.data(), sc.data(), sd.data(), x_type, rx.data(), rc.data(), rd.data(),
                           x_type, MPI_COMM_WORLD),
             "MPI_Alltoallv of the rows");
+  if (rows_only) return;
   check_mpi(MPI_Alltoallv(send_idx.data(), sc.data(), sd.data(), idx_type, ri.data(), rc.data(), rd.data(),
                           idx_type, MPI_COMM_WORLD),
             "MPI_Alltoallv of the top-k ids");
@@ -224,14 +227,18 @@ void AlltoallvBaseline::State::unpack() {
       const int64_t n = recv_count[s * (L + 1) + j];
       std::memcpy(out_x.data() + at * row_bytes, recv_x.data() + from * row_bytes,
                   static_cast<size_t>(n * row_bytes));
-      std::memcpy(out_idx.data() + at * K, recv_idx.data() + from * K, static_cast<size_t>(n * K) * 8);
-      std::memcpy(out_w.data() + at * K, recv_w.data() + from * K, static_cast<size_t>(n * K) * 4);
+      if (!rows_only) {
+        std::memcpy(out_idx.data() + at * K, recv_idx.data() + from * K, static_cast<size_t>(n * K) * 8);
+        std::memcpy(out_w.data() + at * K, recv_w.data() + from * K, static_cast<size_t>(n * K) * 4);
+      }
       at += n;
     }
     const int64_t pad = block + list[j] - at;
     std::memset(out_x.data() + at * row_bytes, 0, static_cast<size_t>(pad * row_bytes));
-    std::fill_n(out_idx.data() + at * K, pad * K, int64_t{-1});
-    std::fill_n(out_w.data() + at * K, pad * K, 0.0f);
+    if (!rows_only) {
+      std::fill_n(out_idx.data() + at * K, pad * K, int64_t{-1});
+      std::fill_n(out_w.data() + at * K, pad * K, 0.0f);
+    }
     block += list[j];
   }
 }
@@ -241,6 +248,14 @@ void AlltoallvBaseline::dispatch() {
   s_->pack();
   s_->exchange_dispatch();
   s_->unpack();
+}
+
+void AlltoallvBaseline::dispatch_cached() {
+  s_->rows_only = true;
+  s_->pack();
+  s_->exchange_dispatch();
+  s_->unpack();
+  s_->rows_only = false;
 }
 
 void AlltoallvBaseline::combine(const std::byte* expert_out, const float* recv_weights) {

@@ -52,6 +52,10 @@ class AlltoallvBaseline {
   // Count exchange (MPI_Alltoall), pack rows and their top-k metadata per destination, MPI_Alltoallv of the
   // rows, the ids and the weights, unpack into the receive order.
   void dispatch();
+  // The same dispatch again on the plan of the last dispatch() (what a user's cached re-dispatch does: the
+  // routing has not changed): pack, MPI_Alltoallv and unpack of the rows only, no count exchange, the ids
+  // and weights left from dispatch(). Requires a dispatch() before.
+  void dispatch_cached();
   // The reverse: pack this rank's received rows of `expert_out` ([rows, H], the dispatch's order; PAD rows
   // are not read) per source rank, MPI_Alltoallv back, reduce at the origin. rank_major also sends
   // back `recv_weights` ([rows, K] f32) and sums them into combined_topk_weights, as epcomm does.
