@@ -207,19 +207,12 @@ struct Avx2ByCount {
 };
 #pragma GCC diagnostic pop
 
-// A token's copies counted at compile time where there are at most 8 (top-k <= 8 in expert_major, up to 8
-// ranks in rank_major: the common cases; the unrolled loop over them was 1.4-1.8x faster than the run-time
-// one for two copies), a run-time count beyond (entry 0). Kernel::fn<N> is the kernel for N copies.
-template <typename Kernel, int... N>
-constexpr std::array<ReduceNFn, sizeof...(N)> by_copy_count(std::integer_sequence<int, N...>) {
-  return {Kernel::template fn<N>...};
-}
-
+// The kernel for a token's copy count (reduce_block.h, copy_count_table).
 template <typename Kernel>
 void reduce_by_count(const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                      const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
-  static constexpr auto kByCount = by_copy_count<Kernel>(std::make_integer_sequence<int, 9>{});
-  kByCount[n < static_cast<int>(kByCount.size()) ? n : 0](rows, weights, n, hidden, bias1, bias2, out);
+  static constexpr auto kByCount = copy_count_table<ReduceNFn, Kernel>();
+  kByCount[copy_count_index(n)](rows, weights, n, hidden, bias1, bias2, out);
 }
 #endif
 

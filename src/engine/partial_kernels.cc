@@ -36,20 +36,33 @@ template <typename Fmt>
 constexpr int64_t kVec = kSumBlock;
 
 // partial_t on 64-element blocks whose sums stay in registers while every contribution is read; the same
-// operations in the same order (p = +0, then p = p + f32(w * x) per contribution, no FMA).
-template <DType DT, typename Fmt>
+// operations in the same order (p = +0, then p = p + f32(w * x) per contribution, no FMA). N > 0: exactly
+// N contributions, the loop over them unrolled (reduce_block.h, copy_count_table).
+template <DType DT, typename Fmt, int N>
 [[gnu::target("avx512f")]] void partial_avx512(const uint8_t* const* rows, const float* weights, int n,
                                                int64_t hidden, float* out) {
   int64_t c0 = 0;
   for (; c0 + kVec <= hidden; c0 += kVec) {
     __m512 a0, a1, a2, a3;
-    sum_block_avx512<DT>(rows, weights, n, c0, a0, a1, a2, a3);
+    sum_block_avx512<DT, N>(rows, weights, n, c0, a0, a1, a2, a3);
     _mm512_storeu_ps(out + c0, a0);
     _mm512_storeu_ps(out + c0 + 16, a1);
     _mm512_storeu_ps(out + c0 + 32, a2);
     _mm512_storeu_ps(out + c0 + 48, a3);
   }
   partial_t<Fmt>(rows, weights, n, c0, hidden, out);
+}
+
+using PartialNFn = void (*)(const uint8_t* const*, const float*, int, int64_t, float*);
+template <DType DT, typename Fmt>
+struct PartialByCount {
+  template <int N>
+  static constexpr PartialNFn fn = partial_avx512<DT, Fmt, N>;
+};
+template <DType DT, typename Fmt>
+void partial_by_count(const uint8_t* const* rows, const float* weights, int n, int64_t hidden, float* out) {
+  static constexpr auto kByCount = copy_count_table<PartialNFn, PartialByCount<DT, Fmt>>();
+  kByCount[copy_count_index(n)](rows, weights, n, hidden, out);
 }
 
 // finish_t on 64-element blocks: acc = +0 + p_1 + ... + p_n in registers, then the biases and the rounding
@@ -121,11 +134,11 @@ void reduce_partial(DType dt, const uint8_t* const* rows, const float* weights, 
   if (kHaveAvx512) {
     switch (dt) {
       case DType::bf16:
-        return partial_avx512<DType::bf16, Bf16>(rows, weights, n, hidden, out);
+        return partial_by_count<DType::bf16, Bf16>(rows, weights, n, hidden, out);
       case DType::f16:
-        return partial_avx512<DType::f16, F16>(rows, weights, n, hidden, out);
+        return partial_by_count<DType::f16, F16>(rows, weights, n, hidden, out);
       default:
-        return partial_avx512<DType::f32, F32>(rows, weights, n, hidden, out);
+        return partial_by_count<DType::f32, F32>(rows, weights, n, hidden, out);
     }
   }
 #endif

@@ -3,8 +3,10 @@
 // element-wise, no FMA, fixed order: vector kernels reproduce these operations bit for bit.
 #pragma once
 
+#include <array>
 #include <bit>
 #include <cstdint>
+#include <utility>
 
 #include "epcomm/quant_element.h"
 #include "epcomm/tensor.h"
@@ -104,6 +106,24 @@ template <typename Fmt>
                                                 _mm512_set1_epi32(0x7F800000));
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
+}
+
+// A token's copies counted at compile time where there are at most kUnrolledCopies (top-k <= 8 in
+// expert_major, up to 8 ranks in rank_major: the common cases; the unrolled loop over them was 1.4-1.8x
+// faster than the run-time one for two copies), a run-time count beyond. Kernel::fn<N> is a kernel for N
+// copies (N = 0: any count) of function type Fn; the table holds N = 0..kUnrolledCopies, and
+// copy_count_index(n) is the entry for n copies.
+constexpr int kUnrolledCopies = 8;
+template <typename Fn, typename Kernel, int... N>
+constexpr std::array<Fn, sizeof...(N)> by_copy_count(std::integer_sequence<int, N...>) {
+  return {Kernel::template fn<N>...};
+}
+template <typename Fn, typename Kernel>
+constexpr std::array<Fn, kUnrolledCopies + 1> copy_count_table() {
+  return by_copy_count<Fn, Kernel>(std::make_integer_sequence<int, kUnrolledCopies + 1>{});
+}
+inline int copy_count_index(int n) {
+  return n <= kUnrolledCopies ? n : 0;
 }
 
 constexpr int64_t kSumBlock = 64;       // elements whose f32 sums one sum_block_avx512 keeps in registers
