@@ -541,6 +541,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     return ctx.cell(me, s)->pushed.load(std::memory_order_acquire) >= pack(seq, 1);
   };
   const bool oversubscribed = tp.oversubscribed();
+  std::vector<char> serve(R, 0);  // receivers the next pass serves (refilled at every poll, not reallocated)
   auto push_rows = [&](const std::vector<char>& now) {
     std::vector<uint8_t*> dest(R, nullptr), dest_scales(R, nullptr);
     std::vector<int64_t> next(R, 0);              // rank_major: receiver d's next row for our tokens
@@ -719,15 +720,14 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
         // Our rows, to every receiver whose recv_x is out. After the routing windows above: the metadata
         // of the rows we receive is filled (and acknowledged) before our long pass, not after it.
         if (push_left > 0) {
-          std::vector<char> now(R, 0);
           int ready = 0;
           for (int d = 0; d < R; ++d)
-            ready += now[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
+            ready += serve[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
           // Ranks outnumbering the cores: a receiver not ready yet is mostly waiting for a core, which our
           // pass would hold for milliseconds, and serving it later costs a second read of every token. Wait
           // (asleep) until every receiver is ready and serve them all in one pass.
           if (ready > 0 && (ready == push_left || !oversubscribed)) {
-            push_rows(now);
+            push_rows(serve);
             progressed = true;  // (`all` above already counted this pass as pending)
           }
         }

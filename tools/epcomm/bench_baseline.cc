@@ -61,7 +61,6 @@ struct AlltoallvBaseline::State {
   std::vector<int64_t> src_row;   // [T*K] or [T*R]: which token a send row holds, by send position
   std::vector<int64_t> list;      // aligned rows per local expert
   int64_t send_rows = 0, recv_rows = 0, out_rows = 0;
-  bool rows_only = false;  // dispatch_cached(): the rows move, the plan and the ids and weights stay
 
   // The dispatch send buffer doubles as combine's receive buffer and the dispatch receive buffer as
   // combine's send buffer (same layouts), so the baseline holds three row arrays, not five.
@@ -69,10 +68,11 @@ struct AlltoallvBaseline::State {
   std::vector<int64_t> send_idx, recv_idx, out_idx;
   std::vector<float> send_w, recv_w, out_w, back_w, combined_w;
 
+  // rows_only (dispatch_cached): the rows move; the plan, ids and weights of the last dispatch stay.
   void plan();
-  void pack();
-  void exchange_dispatch();
-  void unpack();
+  void pack(bool rows_only);
+  void exchange_dispatch(bool rows_only);
+  void unpack(bool rows_only);
 };
 
 AlltoallvBaseline::AlltoallvBaseline(const BaselineInputs& in) : s_(std::make_unique<State>()) {
@@ -170,7 +170,7 @@ void AlltoallvBaseline::State::plan() {
 }
 
 // Rows and their recv_topk_idx / recv_topk_weights rows as the receiver will hold them.
-void AlltoallvBaseline::State::pack() {
+void AlltoallvBaseline::State::pack(bool rows_only) {
   const bool em = in.order == ReceiveOrder::expert_major;
   send_x.resize(static_cast<size_t>(send_rows * row_bytes));
   send_idx.resize(static_cast<size_t>(send_rows * K));
@@ -191,7 +191,7 @@ void AlltoallvBaseline::State::pack() {
     }
 }
 
-void AlltoallvBaseline::State::exchange_dispatch() {
+void AlltoallvBaseline::State::exchange_dispatch(bool rows_only) {
   const bool em = in.order == ReceiveOrder::expert_major;
   // rank_major receives straight into the outputs: source rank, then token, is already the order.
   std::vector<std::byte>& rx = em ? recv_x : out_x;
@@ -213,7 +213,7 @@ void AlltoallvBaseline::State::exchange_dispatch() {
 }
 
 // expert_major: chunks (source s, local expert j) move to block j, source s; PAD rows are zero, ids -1.
-void AlltoallvBaseline::State::unpack() {
+void AlltoallvBaseline::State::unpack(bool rows_only) {
   if (in.order != ReceiveOrder::expert_major) return;
   out_x.resize(static_cast<size_t>(out_rows * row_bytes));
   out_idx.resize(static_cast<size_t>(out_rows * K));
@@ -245,17 +245,15 @@ void AlltoallvBaseline::State::unpack() {
 
 void AlltoallvBaseline::dispatch() {
   s_->plan();
-  s_->pack();
-  s_->exchange_dispatch();
-  s_->unpack();
+  s_->pack(false);
+  s_->exchange_dispatch(false);
+  s_->unpack(false);
 }
 
 void AlltoallvBaseline::dispatch_cached() {
-  s_->rows_only = true;
-  s_->pack();
-  s_->exchange_dispatch();
-  s_->unpack();
-  s_->rows_only = false;
+  s_->pack(true);
+  s_->exchange_dispatch(true);
+  s_->unpack(true);
 }
 
 void AlltoallvBaseline::combine(const std::byte* expert_out, const float* recv_weights) {

@@ -83,6 +83,9 @@ std::string compare_dispatch(const AlltoallvBaseline& b, const OutputDigests& e,
     return "epcomm's rows are not plain rows of the dtype (a quantizing mode has no baseline)";
   if (int64_t i = first_difference(e.recv_x, b.recv_x(), n, e.row_bytes); i >= 0)
     return "recv_x row " + std::to_string(i) + " differs from epcomm's";
+  if (static_cast<int64_t>(e.recv_topk_idx.size()) != n ||
+      static_cast<int64_t>(e.recv_topk_weights.size()) != n)
+    return "epcomm returned no recv_topk_idx / recv_topk_weights to compare";
   if (int64_t i = first_difference(e.recv_topk_idx, b.recv_topk_idx(), n, size_t{8} * topk); i >= 0)
     return "recv_topk_idx row " + std::to_string(i) + " differs from epcomm's";
   if (int64_t i = first_difference(e.recv_topk_weights, b.recv_topk_weights(), n, size_t{4} * topk); i >= 0)

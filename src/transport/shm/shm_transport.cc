@@ -173,8 +173,9 @@ ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t 
       maps_(size_, nullptr),
       map_bytes_(size_, 0),
       arenas_(size_, nullptr) {
-  spins_ = env::spin_count(host_ranks > 0 ? host_ranks : size_);
-  oversubscribed_ = env::ranks_outnumber_cores(host_ranks > 0 ? host_ranks : size_);
+  const int local_ranks = host_ranks > 0 ? host_ranks : size_;
+  spins_ = env::spin_count(local_ranks);
+  oversubscribed_ = env::ranks_outnumber_cores(local_ranks);
   const std::string mode = env::shm_mode();
   const bool named = mode == "named" || !attach(bootstrap, instance, /*memfd=*/true, mode == "memfd");
   if (named) attach(bootstrap, instance, /*memfd=*/false, true);
