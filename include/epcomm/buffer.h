@@ -223,6 +223,9 @@ class Buffer {
     // Own tokens it combined directly: every copy read straight from its holder's x (output arena or
     // combine-input area) at the rows a pushing dispatch wrote, with no windows (docs/normal-mode.md).
     int64_t combine_direct_tokens = 0;
+    // Other ranks' tokens it reduced for them in direct combines, once done with its own: the last chunks
+    // of a slower rank's tokens (results identical to the origin's own; EPCOMM_COMBINE_SHARING=0: none).
+    int64_t combine_shared_tokens = 0;
   };
   CopyCounters copy_counters() const;
 

@@ -202,6 +202,7 @@ void bind_buffer(py::module_& m) {
              d["combine_copied_rows"] = c.combine_copied_rows;
              d["combine_in_place_rows"] = c.combine_in_place_rows;
              d["combine_direct_tokens"] = c.combine_direct_tokens;
+             d["combine_shared_tokens"] = c.combine_shared_tokens;
              return d;
            })
       .def_property_readonly("num_output_arena_bytes",

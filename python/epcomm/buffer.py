@@ -298,11 +298,13 @@ class Buffer:
         dict: dispatch_staged_tokens, dispatch_in_place_tokens (shared dispatch input),
         dispatch_pushed_tokens (rows written straight into the receivers' outputs: the output arena),
         combine_copied_rows, combine_in_place_rows (shared combine input), combine_direct_tokens (own tokens
-        combined straight from the holders' outputs, without windows). Shows whether the shared areas are
+        combined straight from the holders' outputs, without windows), combine_shared_tokens (other ranks'
+        tokens it reduced for them once done with its own, in such combines). Shows whether the shared areas are
         in use. All zero with DEEP_USE_MODE=alltoall."""
         if isinstance(self._impl, AllToAllStrategy):
             return dict(dispatch_staged_tokens=0, dispatch_in_place_tokens=0, dispatch_pushed_tokens=0,
-                        combine_copied_rows=0, combine_in_place_rows=0, combine_direct_tokens=0)
+                        combine_copied_rows=0, combine_in_place_rows=0, combine_direct_tokens=0,
+                        combine_shared_tokens=0)
         return self._impl.copy_counters()
 
     # ---- combine -------------------------------------------------------------------------------------------

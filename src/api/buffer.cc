@@ -270,6 +270,7 @@ Buffer::CopyCounters Buffer::copy_counters() const {
   r.combine_copied_rows = c.combine_copied_rows.load(std::memory_order_relaxed);
   r.combine_in_place_rows = c.combine_in_place_rows.load(std::memory_order_relaxed);
   r.combine_direct_tokens = c.combine_direct_tokens.load(std::memory_order_relaxed);
+  r.combine_shared_tokens = c.combine_shared_tokens.load(std::memory_order_relaxed);
   return r;
 }
 

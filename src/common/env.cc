@@ -35,6 +35,9 @@ const Knob kKnobs[] = {
      "address space of every rank's output arena when BufferOptions::num_output_arena_bytes is -1: auto (the "
      "host's physical memory), 0 (none: outputs come from the allocator and dispatch stages every row), or a "
      "byte count; docs/design.md"},
+    {"EPCOMM_COMBINE_SHARING", "1",
+     "0: a rank done with its own tokens of a direct combine does not reduce the last chunks of a slower "
+     "rank's tokens (for A/B measurements; results are the same bits either way); docs/design.md"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -88,6 +91,13 @@ int64_t output_arena_bytes() {
   EPCOMM_CHECK(end && *end == '\0' && n >= 0,
                "EPCOMM_OUTPUT_ARENA: expected auto or a byte count >= 0, got '", *v, "'");
   return n;
+}
+
+bool combine_sharing() {
+  auto v = get("EPCOMM_COMBINE_SHARING");
+  if (!v) return true;
+  EPCOMM_CHECK(*v == "0" || *v == "1", "EPCOMM_COMBINE_SHARING: expected 0 or 1, got '", *v, "'");
+  return *v == "1";
 }
 
 int ranks_per_node() {

@@ -9,8 +9,10 @@
 #include <cstring>
 #include <functional>
 
+#include "common/env.h"
 #include "engine/dispatch.h"
 #include "engine/kernels.h"
+#include "tensor/output_arena.h"
 
 namespace epcomm::engine {
 
@@ -350,16 +352,97 @@ class Hierarchy {
   std::vector<float> own_;
 };
 
+// Claims one chunk of an origin's `share_chunks` (first << 32 | end): the origin from the front, helpers from
+// the back. False once none is left.
+bool claim_chunk(std::atomic<uint64_t>& word, bool front, uint32_t& chunk) {
+  uint64_t v = word.load(std::memory_order_acquire);
+  while (true) {
+    const uint32_t first = static_cast<uint32_t>(v >> 32), end = static_cast<uint32_t>(v);
+    if (first >= end) return false;
+    const uint64_t next =
+        front ? (uint64_t{first + 1} << 32) | end : (uint64_t{first} << 32) | uint64_t{end - 1};
+    if (word.compare_exchange_weak(v, next, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      chunk = front ? first : end - 1;
+      return true;
+    }
+  }
+}
+
+// The count of a word pack(seq, n) written in this call, else 0 (a word of an earlier call).
+uint64_t count_of(uint64_t word, uint64_t seq) {
+  return word >> 32 == seq ? static_cast<uint32_t>(word) : 0;
+}
+
+// Reduces tokens of one origin from its copy table (ShareCopy, `slots` per token), as mapped on the rank
+// that runs it: the origin itself, or a helper reducing a chunk of the origin's tokens into its outputs.
+struct DirectReduce {
+  const ShareCopy* table;
+  int slots, K;
+  DType dtype;
+  int64_t hidden;
+  size_t row_bytes;
+  const uint8_t* const* xs;  // every holder's x
+  const float* const* gs;    // rank_major: every holder's receiving-side weights
+  const uint8_t *bias1, *bias2;
+  bool weighted;  // expert_major: each copy scaled by its weight
+  uint8_t* cx;
+  float* cw;  // rank_major: sums of the holders' receiving-side weight rows, or null
+
+  void run(int64_t t0, int64_t t1) const {
+    // Token t's copies, gathered one token ahead so that the starts of the next token's rows are fetched
+    // while this one is reduced (the kernel prefetches within).
+    struct Copies {
+      const uint8_t* rows[1024];
+      float w[1024];
+      const float* g[1024];
+      int n = 0;
+    } bufs[2];
+    auto gather = [&](int64_t t, Copies& c) {
+      c.n = 0;
+      const ShareCopy* e = table + t * slots;
+      for (int i = 0; i < slots && e[i].holder >= 0; ++i, ++c.n) {
+        c.rows[c.n] = xs[e[i].holder] + e[i].row * static_cast<int64_t>(row_bytes);
+        c.w[c.n] = e[i].weight;
+        if (cw) c.g[c.n] = gs[e[i].holder] + static_cast<int64_t>(e[i].row) * K;
+      }
+    };
+    if (t0 < t1) gather(t0, bufs[0]);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Copies& c = bufs[(t - t0) % 2];
+      if (t + 1 < t1) {
+        Copies& next = bufs[(t + 1 - t0) % 2];
+        gather(t + 1, next);
+        prefetch_row_starts(next.rows, next.n, row_bytes, c.rows, c.n);
+      }
+      reduce_token(dtype, c.rows, weighted ? c.w : nullptr, c.n, hidden,
+                   bias1 ? bias1 + t * row_bytes : nullptr, bias2 ? bias2 + t * row_bytes : nullptr,
+                   cx + t * row_bytes);
+      if (cw)
+        for (int k = 0; k < K; ++k) {
+          float p = 0.0f;
+          for (int i = 0; i < c.n; ++i) p = p + c.g[i][k];
+          cw[t * K + k] = 0.0f + p;
+        }
+    }
+  }
+};
+
 // Direct combine (every header says kReadRowsInPlace): each origin reads every copy of its tokens straight
 // from its holder's x, at the rows the dispatch wrote them to (handle send_rows), and reduces them in the
 // same canonical order as the windows would. No windows: the headers are the only synchronisation before,
 // and `combine_open` = pack(seq, 1) (closed) tells a holder that an origin is done with its rows.
+//
+// Shared reduction: an origin whose outputs lie in its output arena publishes its copy table, and a rank
+// done with its own tokens reduces chunks of the origin's last ones (docs/design.md, "Combine"), so that the
+// call takes about the mean of the ranks' times rather than the slowest one's. A token's result does not
+// depend on which rank reduced it (same kernel, same order).
 void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   const int R = ctx.size(), me = ctx.rank();
   const Handle::Impl& hd = *in.handle;
   const bool expert = hd.order == ReceiveOrder::expert_major;
   const int K = hd.num_topk;
   const int64_t T = hd.num_tokens;
+  const uint64_t seq = ctx.seq();
   const size_t row_bytes = static_cast<size_t>(in.hidden) * dtype_size(in.dtype);
   std::vector<const uint8_t*> xs(R, nullptr);
   std::vector<const float*> gs(R, nullptr);  // rank_major: the holders' receiving-side weights
@@ -376,55 +459,110 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   // rank_major: combined_topk_weights (returned with receiving-side weights) sums the holders' rows of them.
   float* cw = out.combined_topk_weights ? out.combined_topk_weights->data_as<float>() : nullptr;
   const bool sum_g = !expert && cw;
-  // Token t's copies (pointers, weights, receiving-side weight rows), gathered one token ahead so that the
-  // starts of the next token's rows are fetched while this one is reduced (the kernel prefetches within).
-  struct Copies {
-    const uint8_t* rows[1024];
-    float w[1024];
-    const float* g[1024];
-    int n = 0;
-  } bufs[2];
-  auto gather = [&](int64_t t, Copies& c) {
-    c.n = 0;
-    hd.for_each_copy(t, [&](int slot, int holder) {
-      const int64_t row = at[t * slots + slot];
-      c.rows[c.n] = xs[holder] + row * static_cast<int64_t>(row_bytes);
-      if (expert) c.w[c.n] = in.weights_used[t * K + slot];
-      if (sum_g) c.g[c.n] = gs[holder] + row * K;
-      ++c.n;
-    });
-  };
-  if (T > 0) gather(0, bufs[0]);
+
+  // Offer our tokens to helpers when they may write our outputs (both in our output arena), there are no
+  // biases (private tensors), and the table fits in our data area (unused by a direct combine).
+  const std::shared_ptr<OutputArena> arena = ctx.transport().output_arena();
+  const int64_t cx_off = arena ? arena->offset_of(cx, out.combined_x.nbytes()) : -1;
+  const int64_t cw_off = sum_g && arena ? arena->offset_of(cw, sizeof(float) * T * K) : -1;
+  const size_t table_bytes = sizeof(ShareCopy) * static_cast<size_t>(T) * slots;
+  const bool share = env::combine_sharing() && R > 1;
+  const bool offer = share && T >= 2 * kShareChunkTokens && !in.bias1 && !in.bias2 && cx_off >= 0 &&
+                     (!sum_g || cw_off >= 0) && table_bytes <= ctx.layout().data_bytes;
+  std::vector<ShareCopy> private_table;
+  if (!offer) private_table.resize(static_cast<size_t>(T) * slots);
+  ShareCopy* table = offer ? reinterpret_cast<ShareCopy*>(ctx.data(me)) : private_table.data();
   for (int64_t t = 0; t < T; ++t) {
-    const Copies& c = bufs[t % 2];
-    if (t + 1 < T) {
-      Copies& next = bufs[(t + 1) % 2];
-      gather(t + 1, next);
-      prefetch_row_starts(next.rows, next.n, row_bytes, c.rows, c.n);
-    }
-    reduce_token(in.dtype, c.rows, expert ? c.w : nullptr, c.n, in.hidden,
-                 in.bias1 ? in.bias1 + t * row_bytes : nullptr, in.bias2 ? in.bias2 + t * row_bytes : nullptr,
-                 cx + t * row_bytes);
-    if (sum_g)
-      for (int k = 0; k < K; ++k) {
-        float p = 0.0f;
-        for (int i = 0; i < c.n; ++i) p = p + c.g[i][k];
-        cw[t * K + k] = 0.0f + p;
-      }
+    ShareCopy* e = table + t * slots;
+    int n = 0;
+    hd.for_each_copy(t, [&](int slot, int holder) {
+      e[n++] = {holder, at[t * slots + slot], expert ? in.weights_used[t * K + slot] : 0.0f};
+    });
+    if (n < slots) e[n].holder = -1;
   }
-  if (expert && cw) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
-  if (in.counters) {
-    int64_t lent = 0;
-    for (int s = 0; s < R; ++s) lent += s == me ? 0 : hd.rows_per_source[s];
-    in.counters->add(in.counters->combine_in_place_rows, lent);
-    in.counters->add(in.counters->combine_direct_tokens, T);
+  Control* mine = ctx.control(me);
+  if (offer) {
+    mine->share_out_offset = cx_off;
+    mine->share_weights_offset = cw_off;
+    mine->share_chunks.store((T + kShareChunkTokens - 1) / kShareChunkTokens, std::memory_order_relaxed);
+    mine->share_ready.store(pack(seq, 1), std::memory_order_release);
+    for (int p = 0; p < R; ++p)
+      if (p != me) ctx.notify(p);  // a peer already done with its own tokens may start on ours
   }
 
+  const DirectReduce own{table,     slots,    K,        in.dtype, in.hidden, row_bytes,           xs.data(),
+                         gs.data(), in.bias1, in.bias2, expert,   cx,        sum_g ? cw : nullptr};
+  int64_t reduced = 0;  // our tokens we reduced ourselves
+  if (offer) {
+    uint32_t c;
+    while (claim_chunk(mine->share_chunks, true, c)) {
+      const int64_t t0 = int64_t{c} * kShareChunkTokens, t1 = std::min(T, t0 + kShareChunkTokens);
+      own.run(t0, t1);
+      reduced += t1 - t0;
+    }
+  } else {
+    own.run(0, T);
+    reduced = T;
+  }
+  if (expert && cw) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
+
+  // Helping: one chunk of the first origin that still offers one. Its outputs are in its output arena, as
+  // mapped here; its results are ours to publish (share_done) before it may close.
+  std::vector<int64_t> claimed(R, 0), done(R, 0);
+  int64_t helped = 0;
+  auto help_one = [&] {
+    if (!share) return false;
+    for (int o = 0; o < R; ++o) {
+      if (o == me) continue;
+      Control* oc = ctx.control(o);
+      if (oc->share_ready.load(std::memory_order_acquire) != pack(seq, 1)) continue;
+      uint32_t c;
+      if (!claim_chunk(oc->share_chunks, false, c)) continue;
+      PeerCell* cell = ctx.cell(o, me);
+      const int64_t To = ctx.header(o)->num_tokens;
+      const int64_t t0 = int64_t{c} * kShareChunkTokens, t1 = std::min(To, t0 + kShareChunkTokens);
+      claimed[o] += t1 - t0;
+      cell->share_claimed.store(pack(seq, claimed[o]), std::memory_order_release);
+      uint8_t* base = ctx.transport().arena(o);
+      const int64_t wo = oc->share_weights_offset;
+      const DirectReduce theirs{reinterpret_cast<const ShareCopy*>(ctx.data(o)),
+                                slots,
+                                K,
+                                in.dtype,
+                                in.hidden,
+                                row_bytes,
+                                xs.data(),
+                                gs.data(),
+                                nullptr,
+                                nullptr,
+                                expert,
+                                base + oc->share_out_offset,
+                                wo >= 0 ? reinterpret_cast<float*>(base + wo) : nullptr};
+      theirs.run(t0, t1);
+      done[o] += t1 - t0;
+      helped += t1 - t0;
+      cell->share_done.store(pack(seq, done[o]), std::memory_order_release);
+      ctx.notify(o);
+      return true;
+    }
+    return false;
+  };
+  // Our tokens helpers have reduced so far (all of the rest once it equals T - reduced).
+  auto reduced_by_helpers = [&] {
+    int64_t n = 0;
+    for (int p = 0; p < R; ++p)
+      if (p != me) n += count_of(ctx.cell(me, p)->share_done.load(std::memory_order_acquire), seq);
+    return n;
+  };
+
   // Closed: the holders we read from may return (and reuse their x) once every origin they serve is.
-  const uint64_t seq = ctx.seq();
-  ctx.control(me)->combine_open.store(pack(seq, 1), std::memory_order_seq_cst);
-  for (int p = 0; p < R; ++p)
-    if (hd.tokens_per_rank[p] > 0 && p != me) ctx.notify(p);
+  bool closed = false;
+  auto close = [&] {
+    mine->combine_open.store(pack(seq, 1), std::memory_order_seq_cst);
+    for (int p = 0; p < R; ++p)
+      if (hd.tokens_per_rank[p] > 0 && p != me) ctx.notify(p);
+    closed = true;
+  };
   auto open_origins = [&] {
     std::vector<int> peers;
     for (int s = 0; s < R; ++s)
@@ -434,7 +572,33 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
     return peers;
   };
   ctx.run(
-      "data", [&](bool&) { return open_origins().empty(); }, open_origins);
+      "data",
+      [&](bool& progressed) {
+        if (!closed && reduced_by_helpers() == T - reduced) {
+          close();
+          progressed = true;
+        }
+        if (help_one()) {
+          progressed = true;
+          return false;
+        }
+        return closed && open_origins().empty();
+      },
+      [&] {
+        std::vector<int> peers = open_origins();
+        for (int p = 0; p < R; ++p)  // helpers still reducing tokens of ours
+          if (p != me && count_of(ctx.cell(me, p)->share_claimed.load(), seq) !=
+                             count_of(ctx.cell(me, p)->share_done.load(), seq))
+            peers.push_back(p);
+        return peers;
+      });
+  if (in.counters) {
+    int64_t lent = 0;
+    for (int s = 0; s < R; ++s) lent += s == me ? 0 : hd.rows_per_source[s];
+    in.counters->add(in.counters->combine_in_place_rows, lent);
+    in.counters->add(in.counters->combine_direct_tokens, T);
+    in.counters->add(in.counters->combine_shared_tokens, helped);
+  }
 }
 
 }  // namespace

@@ -24,6 +24,7 @@ struct CopyCounters {
   std::atomic<int64_t> combine_copied_rows{0};       // rows this rank copied into other origins' windows
   std::atomic<int64_t> combine_in_place_rows{0};     // rows other origins read in place (shared input)
   std::atomic<int64_t> combine_direct_tokens{0};     // own tokens reduced straight from the holders' x
+  std::atomic<int64_t> combine_shared_tokens{0};     // other origins' tokens it reduced for them (direct)
   void add(std::atomic<int64_t>& c, int64_t n) { c.fetch_add(n, std::memory_order_relaxed); }
 };
 

@@ -76,6 +76,15 @@ struct alignas(64) Control {
   std::atomic<uint64_t> out_ready;
   int64_t out_offset;
   int64_t out_scale_offset;  // the scales of a quantized recv_x (rows of scale_row_bytes), or -1
+  // Direct combine, shared reduction: pack(seq, 1) once this rank's copy table (ShareCopy entries at the
+  // start of its data area) is written and `share_chunks` reset, so that ranks done with their own tokens
+  // may reduce chunks of ours (kShareChunkTokens each) into our combined_x (and, rank_major, our
+  // combined_topk_weights), which lie in our output arena at `share_out_offset` (`share_weights_offset`).
+  std::atomic<uint64_t> share_ready;
+  // The chunks nobody has claimed: first << 32 | end. This rank claims from the front, helpers from the
+  // back, each by compare-and-swap.
+  std::atomic<uint64_t> share_chunks;
+  int64_t share_out_offset, share_weights_offset;
   char failed_message[kMessageBytes];
 };
 
@@ -84,7 +93,19 @@ struct alignas(64) PeerCell {
   std::atomic<uint64_t> ack;     // dispatch: p finished reading our window: pack(seq, w + 1)
   std::atomic<uint64_t> done;    // combine: p finished writing into our window: pack(seq, w + 1)
   std::atomic<uint64_t> pushed;  // dispatch: p wrote every row of its tokens into our recv_x: pack(seq, 1)
+  // Direct combine: tokens of ours p has claimed, and of those reduced (results written), in this call:
+  // pack(seq, n). We close once every claimed token is reduced.
+  std::atomic<uint64_t> share_claimed, share_done;
 };
+
+// Direct combine, shared reduction: one entry per copy of an origin's token, `slots` entries per token in
+// canonical order (the rank that holds the copy, its row in that rank's x, and in expert_major its weight);
+// holder -1 ends a token with fewer copies.
+struct ShareCopy {
+  int32_t holder, row;
+  float weight;
+};
+constexpr int64_t kShareChunkTokens = 16;
 
 inline uint64_t pack(uint64_t seq, uint64_t w) {
   return (seq << 32) | w;

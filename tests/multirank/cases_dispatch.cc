@@ -129,6 +129,74 @@ MR_CASE("combine_shared_input", {}) {
     REQUIRE(none.get_combine_input(*d.handle).size(0) == 0, "a rank without rows got a non-empty area");
 }
 
+// Shared reduction in direct combines: rank 0 holds far more tokens than the others, so they finish their own
+// first and reduce chunks of rank 0's tokens into its outputs (combine_shared_tokens). Distinct expert
+// outputs per row (written over recv_x, which lies in the output arena) and, in rank_major, the
+// receiving-side weights fed back: every result must equal the reference bit for bit, whoever reduced it.
+// Combines repeat until some rank has helped (scheduling decides who finishes first); never helping in 60
+// calls fails.
+MR_CASE("combine_shared_reduction", {false, 2}) {
+  Buffer buf(ctx.group, test_options(16 << 20));
+  if (buf.num_output_arena_bytes() == 0 || buf.num_nodes() > 1)
+    throw Skip("needs one node with output arenas (direct combines)");
+  const int R = ctx.size, r = ctx.rank;
+  uint64_t seed = 500;
+  for (ReceiveOrder order : kOrders) {
+    ProblemSpec spec = spec_for(ctx, seed++, 4, 4, 2048);  // a few ms of work for rank 0, even under load
+    spec.tokens_override.assign(R, 5);
+    spec.tokens_override[0] = 3000;
+    const Problem P = make_problem(spec);
+    DispatchArgs args = dispatch_args_of(P, r, buf);
+    args.receive_order = order;
+    DispatchResult d = buf.dispatch(args);
+    std::vector<std::vector<uint8_t>> outs(R);
+    std::vector<std::vector<float>> recv_w(R);
+    for (int s = 0; s < R; ++s) {
+      const RefDispatch ref = ref_dispatch(P, s, order);
+      outs[s] = make_expert_output(seed, ref, DType::bf16, spec.hidden);
+      recv_w[s] = ref.recv_topk_weights;
+    }
+    REQUIRE(d.recv_x.data.nbytes() == outs[r].size(), "recv_x bytes ", d.recv_x.data.nbytes(), ", expected ",
+            outs[r].size());
+    if (!outs[r].empty()) std::memcpy(d.recv_x.data.data(), outs[r].data(), outs[r].size());
+    const bool rank_w = order == ReceiveOrder::rank_major;
+    const RefCombine rc = ref_combine(P, r, order, 1, 0, DType::bf16, spec.hidden, outs, nullptr,
+                                      rank_w ? &recv_w : nullptr, {});
+    const std::string where = std::string("combine_shared_reduction ") + receive_order_name(order);
+    int64_t helped = 0;
+    for (int call = 0; call < 60 && helped == 0; ++call) {
+      const Buffer::CopyCounters k0 = buf.copy_counters();
+      CombineArgs c;
+      c.x = d.recv_x.data;
+      c.handle = d.handle;
+      if (rank_w) c.topk_weights = d.recv_topk_weights;
+      const CombineResult cr = buf.combine(c);
+      const Buffer::CopyCounters k1 = buf.copy_counters();
+      check_scalar<int64_t>(where + " combine_direct_tokens",
+                            k1.combine_direct_tokens - k0.combine_direct_tokens, P.ranks[r].num_tokens);
+      REQUIRE(cr.combined_x.nbytes() == rc.combined_x.size(), where, " combined_x bytes ",
+              cr.combined_x.nbytes(), ", expected ", rc.combined_x.size());
+      check_rows_equal(where + " combined_x", cr.combined_x.data_as<uint8_t>(), rc.combined_x.data(),
+                       P.ranks[r].num_tokens, P.row_bytes(), DType::bf16);
+      if (rank_w)
+        check_equal(where + " combined_topk_weights", tensor_to_f32(*cr.combined_topk_weights),
+                    rc.combined_topk_weights, spec.num_topk);
+      // Every rank learns how many tokens the others reduced for rank 0 in this call.
+      const int64_t mine = k1.combine_shared_tokens - k0.combine_shared_tokens;
+      REQUIRE(mine >= 0 && mine <= P.ranks[0].num_tokens, where, " combine_shared_tokens grew by ", mine);
+      std::vector<std::byte> b(sizeof mine);
+      std::memcpy(b.data(), &mine, sizeof mine);
+      const std::vector<std::byte> all = ctx.group->bootstrap().all_gather(b);
+      for (int s = 0; s < R; ++s) {
+        int64_t v;
+        std::memcpy(&v, all.data() + s * sizeof v, sizeof v);
+        helped += v;
+      }
+    }
+    REQUIRE(helped > 0, where, ": no rank reduced any of rank 0's 3000 tokens in 60 combines");
+  }
+}
+
 // Dispatch from the shared dispatch-input area (Buffer::get_dispatch_input): on one node the receivers read
 // the senders' rows in place and nothing but the routing is staged. Results must equal the reference bit for
 // bit in both orders, with alignment, worst-case rows, other dtypes, cached re-dispatch, async chains and
