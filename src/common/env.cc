@@ -35,9 +35,10 @@ const Knob kKnobs[] = {
      "address space of every rank's output arena when BufferOptions::num_output_arena_bytes is -1: auto (the "
      "host's physical memory), 0 (none: outputs come from the allocator and dispatch stages every row), or a "
      "byte count; docs/design.md"},
-    {"EPCOMM_COMBINE_SHARING", "1",
-     "0: a rank done with its own tokens of a direct combine does not reduce the last chunks of a slower "
-     "rank's tokens (for A/B measurements; results are the same bits either way); docs/design.md"},
+    {"EPCOMM_COMBINE_SHARING", "auto",
+     "whether a rank done with its own tokens of a direct combine reduces the last chunks of a slower "
+     "rank's tokens: auto (yes, unless the host's ranks outnumber its cores), 1 (always), 0 (never); for "
+     "A/B measurements, results are the same bits either way; docs/design.md"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -93,10 +94,10 @@ int64_t output_arena_bytes() {
   return n;
 }
 
-bool combine_sharing() {
+int combine_sharing() {
   auto v = get("EPCOMM_COMBINE_SHARING");
-  if (!v) return true;
-  EPCOMM_CHECK(*v == "0" || *v == "1", "EPCOMM_COMBINE_SHARING: expected 0 or 1, got '", *v, "'");
+  if (!v || *v == "auto") return -1;
+  EPCOMM_CHECK(*v == "0" || *v == "1", "EPCOMM_COMBINE_SHARING: expected auto, 0 or 1, got '", *v, "'");
   return *v == "1";
 }
 

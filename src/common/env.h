@@ -34,6 +34,6 @@ std::string ucx_write_mode();     // EPCOMM_UCX_WRITE: "am" (default) or "put"
 int ranks_per_node();             // EPCOMM_RANKS_PER_NODE, default 0 (one node per host)
 std::string shm_mode();           // EPCOMM_SHM: "auto" (default), "memfd" or "named"
 int64_t output_arena_bytes();     // EPCOMM_OUTPUT_ARENA: -1 = auto (default), else bytes (0 = none)
-bool combine_sharing();           // EPCOMM_COMBINE_SHARING: "1" (default) or "0"
+int combine_sharing();            // EPCOMM_COMBINE_SHARING: -1 = auto (default), 1 = always, 0 = never
 
 }  // namespace epcomm::env

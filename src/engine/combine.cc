@@ -469,7 +469,8 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   // Not when the ranks outnumber the cores: then no core idles while a slower rank works (a rank done with
   // its own tokens sleeps and gives its core to the others), and a helper descheduled in the middle of a
   // chunk would hold its origin up (measured at 8 ranks on 2 cores: 102 ms without, 107-118 ms with).
-  const bool share = env::combine_sharing() && R > 1 && !ctx.transport().oversubscribed();
+  const int sharing = env::combine_sharing();
+  const bool share = R > 1 && (sharing < 0 ? !ctx.transport().oversubscribed() : sharing == 1);
   const bool offer = share && T >= 2 * kShareChunkTokens && !in.bias1 && !in.bias2 && cx_off >= 0 &&
                      (!sum_g || cw_off >= 0) && table_bytes <= ctx.layout().data_bytes;
   std::vector<ShareCopy> private_table;
