@@ -14,7 +14,7 @@ FIELDS = [
     "time_us_median", "time_us_min", "time_us_p99", "time_us_max", "gbps", "gbps_bf16_equiv", "memcpy_gbps",
     "ratio_to_memcpy", "baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified",
     "verified", "combine_input", "segment_bytes", "first_iter_us", "first_iter_ratio", "peak_rss_mb", "peak_rss_mb_per_rank",
-    "nodes", "network_bytes", "network_gbps", "link_gbps", "ratio_to_link",
+    "nodes", "network_bytes", "network_gbps", "link_gbps", "ratio_to_link", "combine_shared_tokens",
 ]
 NETWORK = ["network_bytes", "network_gbps", "link_gbps", "ratio_to_link"]
 BASELINE = ["baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified"]
@@ -41,6 +41,8 @@ def check_lines(args, out, err):
             fail(f"a rate, the segment or the peak RSS is not positive: {j}", out, err)
         if len(j["peak_rss_mb_per_rank"]) != j["ranks"] or max(j["peak_rss_mb_per_rank"]) != j["peak_rss_mb"]:
             fail(f"peak_rss_mb_per_rank does not have one value per rank with peak_rss_mb as its max: {j}", out, err)
+        if not 0 <= j["combine_shared_tokens"] <= j["tokens"] * j["ranks"]:
+            fail(f"combine_shared_tokens outside [0, tokens x ranks]: {j}", out, err)
         if abs(j["ratio_to_memcpy"] - j["gbps"] / j["memcpy_gbps"]) > 0.0015 + 0.002 * j["ratio_to_memcpy"]:
             fail(f"ratio_to_memcpy != gbps / memcpy_gbps: {j}", out, err)
         if args.nodes > 1:

@@ -64,7 +64,7 @@ const char* kBenchEpilog =
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
     "verified, dispatch_input, combine_input, segment_bytes, output_reserve_bytes, first_iter_us, "
     "first_iter_ratio, peak_rss_mb,\n"
-    "peak_rss_mb_per_rank, pss_mb, dispatch_rows.\n\n"
+    "peak_rss_mb_per_rank, pss_mb, dispatch_rows, combine_shared_tokens.\n\n"
     "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
     "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call.\n\n"
     "combine_input: where combine's x was and how it travelled (Buffer::copy_counters): shared when every\n"
@@ -83,7 +83,10 @@ const char* kBenchEpilog =
     "straight into the receivers' recv_x in their output arenas, a quantizing --quant quantizing each\n"
     "token once: one node, x not in the shared dispatch input; the default), in_place (read in place from\n"
     "the shared dispatch input), staged (staged in the segment and copied out by the receivers: several\n"
-    "nodes, EPCOMM_OUTPUT_ARENA=0), or mixed.\n\n"
+    "nodes, EPCOMM_OUTPUT_ARENA=0), or mixed.\n"
+    "combine_shared_tokens: tokens per combine (mean over the line's calls, all ranks) that a rank done\n"
+    "with its own reduced for a slower one (direct combines; Buffer::copy_counters, "
+    "EPCOMM_COMBINE_SHARING).\n\n"
     "Across nodes (--ranks-per-node P, or EPCOMM_RANKS_PER_NODE; with UCX_TLS=tcp virtual nodes on one host\n"
     "talk over TCP sockets): network_bytes = pairs x row_bytes (dispatch) or pairs x H x 4 (combine: f32\n"
     "partials), pairs = (token, other node that needs it) over all ranks; network_gbps = network_bytes /\n"
@@ -207,6 +210,7 @@ struct OrderRun {
   int64_t shared_dispatch_input = 0;  // 1: every dispatch's receivers read its rows in place (copy counters)
   int64_t pushed_dispatch = 0;        // 1: every dispatch pushed its rows into the receivers' outputs
   int64_t combine_in_place = 0;       // 1: no combine copied a row: the origins read every x in place
+  int64_t shared_tokens = 0;          // other ranks' tokens this rank reduced in the combines (all calls)
   double pss_mb = 0;                  // after epcomm's first iteration, its outputs alive
   double first_s[2] = {0, 0};         // the first (warm-up) iteration's dispatch and combine times
   double peak_rss_mb = 0;             // after epcomm's first iteration, before the baseline's buffers exist
@@ -395,6 +399,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   run.pushed_dispatch =
       copies_after.dispatch_pushed_tokens - copies_before.dispatch_pushed_tokens == all_tokens;
   run.combine_in_place = copies_after.combine_copied_rows == copies_before.combine_copied_rows;
+  run.shared_tokens = copies_after.combine_shared_tokens - copies_before.combine_shared_tokens;
   return run;
 }
 
@@ -468,8 +473,8 @@ struct OrderReport {
   int nodes = 1;
   double link_gbps = 0;
 };
-constexpr int kCounts = 10;  // per rank: rows, bytes (2), ok, baseline ok (2), shared inputs (combine,
-                             // dispatch), pushed rows, combine read in place
+constexpr int kCounts = 11;  // per rank: rows, bytes (2), ok, baseline ok (2), shared inputs (combine,
+                             // dispatch), pushed rows, combine read in place, tokens reduced for others
 
 const char* launcher_name(Launcher l) {
   return l == Launcher::fork ? "fork" : l == Launcher::threads ? "threads" : "mpi";
@@ -483,7 +488,9 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
   bool verified = true, baseline_verified[2] = {true, true}, shared = true, shared_dispatch = true;
   int pushed = 0, in_place = 0;  // ranks whose every dispatch pushed / was read in place
   bool combine_in_place = true;
+  int64_t shared_tokens = 0;  // all ranks, all calls of this line
   for (int s = 0; s < R; ++s) {
+    shared_tokens += rep.counts[s * kCounts + 10];
     shared = shared && rep.counts[s * kCounts + 6] == 1;
     shared_dispatch = shared_dispatch && rep.counts[s * kCounts + 7] == 1;
     in_place += rep.counts[s * kCounts + 7] == 1;
@@ -586,7 +593,8 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("peak_rss_mb", peak, 1)
         .add("peak_rss_mb_per_rank", rep.peak_rss_mb, 1)
         .add("pss_mb", pss, 1)
-        .add("dispatch_rows", rows_how);
+        .add("dispatch_rows", rows_how)
+        .add("combine_shared_tokens", static_cast<double>(shared_tokens) / std::max(1, o.warmup + iters), 1);
     std::printf("%s\n", j.str().c_str());
     plot.push_back(pp);
   }
@@ -631,9 +639,10 @@ OrderReport report_order(const BenchOptions& o, ReceiveOrder order, Buffer& buff
   rep.times = all_gather_values(bs, run.times);
   if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, run.baseline_times);
   rep.counts = all_gather_values(
-      bs, std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok,
-                               run.baseline_dispatch_ok, run.baseline_combine_ok, run.shared_input,
-                               run.shared_dispatch_input, run.pushed_dispatch, run.combine_in_place});
+      bs,
+      std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok, run.baseline_dispatch_ok,
+                           run.baseline_combine_ok, run.shared_input, run.shared_dispatch_input,
+                           run.pushed_dispatch, run.combine_in_place, run.shared_tokens});
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
   rep.pss_mb = all_gather_values(bs, std::vector<double>{run.pss_mb});
   rep.first_s = all_gather_values(bs, std::vector<double>{run.first_s[0], run.first_s[1]});
