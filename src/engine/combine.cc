@@ -510,18 +510,29 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   }
   if (expert && cw) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
 
-  // Helping: one chunk of the first origin that still offers one. Its outputs are in its output arena, as
-  // mapped here; its results are ours to publish (share_done) before it may close.
+  // Helping: one chunk of the origin with the most chunks left (the slowest, on a host with many ranks). Its
+  // outputs are in its output arena, as mapped here; its results are ours to publish (share_done) before it
+  // may close.
   std::vector<int64_t> claimed(R, 0), done(R, 0);
   int64_t helped = 0;
   auto help_one = [&] {
     if (!share) return false;
-    for (int o = 0; o < R; ++o) {
-      if (o == me) continue;
+    while (true) {
+      int o = -1;
+      uint32_t most = 0;
+      for (int p = 0; p < R; ++p) {
+        if (p == me || ctx.control(p)->share_ready.load(std::memory_order_acquire) != pack(seq, 1)) continue;
+        const uint64_t v = ctx.control(p)->share_chunks.load(std::memory_order_relaxed);
+        const uint32_t first = static_cast<uint32_t>(v >> 32), end = static_cast<uint32_t>(v);
+        if (end > first && end - first > most) {
+          most = end - first;
+          o = p;
+        }
+      }
+      if (o < 0) return false;
       Control* oc = ctx.control(o);
-      if (oc->share_ready.load(std::memory_order_acquire) != pack(seq, 1)) continue;
       uint32_t c;
-      if (!claim_chunk(oc->share_chunks, false, c)) continue;
+      if (!claim_chunk(oc->share_chunks, false, c)) continue;  // taken meanwhile: look again
       PeerCell* cell = ctx.cell(o, me);
       const int64_t To = ctx.header(o)->num_tokens;
       const int64_t t0 = int64_t{c} * kShareChunkTokens, t1 = std::min(To, t0 + kShareChunkTokens);
@@ -549,7 +560,6 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
       ctx.notify(o);
       return true;
     }
-    return false;
   };
   // Our tokens helpers have reduced so far (all of the rest once it equals T - reduced).
   auto reduced_by_helpers = [&] {
