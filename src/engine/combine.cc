@@ -352,12 +352,20 @@ class Hierarchy {
   std::vector<float> own_;
 };
 
-// Claims one chunk of an origin's `share_chunks` (first << 32 | end): the origin from the front, helpers from
-// the back. False once none is left.
+// The chunks an origin's `share_chunks` word (first << 32 | end) leaves unclaimed: [first, end).
+struct ChunkRange {
+  uint32_t first, end;
+  explicit ChunkRange(uint64_t word)
+      : first(static_cast<uint32_t>(word >> 32)), end(static_cast<uint32_t>(word)) {}
+  uint32_t left() const { return end > first ? end - first : 0; }
+};
+
+// Claims one chunk of an origin's `share_chunks`: the origin from the front, helpers from the back. False
+// once none is left.
 bool claim_chunk(std::atomic<uint64_t>& word, bool front, uint32_t& chunk) {
   uint64_t v = word.load(std::memory_order_acquire);
   while (true) {
-    const uint32_t first = static_cast<uint32_t>(v >> 32), end = static_cast<uint32_t>(v);
+    const auto [first, end] = ChunkRange(v);
     if (first >= end) return false;
     const uint64_t next =
         front ? (uint64_t{first + 1} << 32) | end : (uint64_t{first} << 32) | uint64_t{end - 1};
@@ -471,11 +479,14 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   // chunk would hold its origin up (measured at 8 ranks on 2 cores: 102 ms without, 107-118 ms with).
   const int sharing = env::combine_sharing();
   const bool share = R > 1 && (sharing < 0 ? !ctx.transport().oversubscribed() : sharing == 1);
-  const bool offer = share && T >= 2 * kShareChunkTokens && !in.bias1 && !in.bias2 && cx_off >= 0 &&
-                     (!sum_g || cw_off >= 0) && table_bytes <= ctx.layout().data_bytes;
+  // The table goes in our data area (unused by a direct combine) whenever it fits, offered or not: no
+  // allocation per call.
+  const bool table_fits = table_bytes <= ctx.layout().data_bytes;
+  const bool offer = share && table_fits && T >= 2 * kShareChunkTokens && !in.bias1 && !in.bias2 &&
+                     cx_off >= 0 && (!sum_g || cw_off >= 0);
   std::vector<ShareCopy> private_table;
-  if (!offer) private_table.resize(static_cast<size_t>(T) * slots);
-  ShareCopy* table = offer ? reinterpret_cast<ShareCopy*>(ctx.data(me)) : private_table.data();
+  if (!table_fits) private_table.resize(static_cast<size_t>(T) * slots);
+  ShareCopy* table = table_fits ? reinterpret_cast<ShareCopy*>(ctx.data(me)) : private_table.data();
   for (int64_t t = 0; t < T; ++t) {
     ShareCopy* e = table + t * slots;
     int n = 0;
@@ -522,10 +533,9 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
       uint32_t most = 0;
       for (int p = 0; p < R; ++p) {
         if (p == me || ctx.control(p)->share_ready.load(std::memory_order_acquire) != pack(seq, 1)) continue;
-        const uint64_t v = ctx.control(p)->share_chunks.load(std::memory_order_relaxed);
-        const uint32_t first = static_cast<uint32_t>(v >> 32), end = static_cast<uint32_t>(v);
-        if (end > first && end - first > most) {
-          most = end - first;
+        const uint32_t left = ChunkRange(ctx.control(p)->share_chunks.load(std::memory_order_relaxed)).left();
+        if (left > most) {
+          most = left;
           o = p;
         }
       }
@@ -540,19 +550,11 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
       cell->share_claimed.store(pack(seq, claimed[o]), std::memory_order_release);
       uint8_t* base = ctx.transport().arena(o);
       const int64_t wo = oc->share_weights_offset;
-      const DirectReduce theirs{reinterpret_cast<const ShareCopy*>(ctx.data(o)),
-                                slots,
-                                K,
-                                in.dtype,
-                                in.hidden,
-                                row_bytes,
-                                xs.data(),
-                                gs.data(),
-                                nullptr,
-                                nullptr,
-                                expert,
-                                base + oc->share_out_offset,
-                                wo >= 0 ? reinterpret_cast<float*>(base + wo) : nullptr};
+      DirectReduce theirs = own;  // the same call's geometry and holders, the origin's table and outputs
+      theirs.table = reinterpret_cast<const ShareCopy*>(ctx.data(o));
+      theirs.bias1 = theirs.bias2 = nullptr;  // an origin with biases does not offer
+      theirs.cx = base + oc->share_out_offset;
+      theirs.cw = wo >= 0 ? reinterpret_cast<float*>(base + wo) : nullptr;
       theirs.run(t0, t1);
       done[o] += t1 - t0;
       helped += t1 - t0;
