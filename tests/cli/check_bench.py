@@ -15,6 +15,7 @@ FIELDS = [
     "ratio_to_memcpy", "baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified",
     "verified", "combine_input", "segment_bytes", "first_iter_us", "first_iter_ratio", "peak_rss_mb", "peak_rss_mb_per_rank",
     "nodes", "network_bytes", "network_gbps", "link_gbps", "ratio_to_link", "combine_shared_tokens",
+    "timing", "rank_time_us_median", "start_skew_us_median",
 ]
 NETWORK = ["network_bytes", "network_gbps", "link_gbps", "ratio_to_link"]
 BASELINE = ["baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified"]
@@ -43,6 +44,12 @@ def check_lines(args, out, err):
             fail(f"peak_rss_mb_per_rank does not have one value per rank with peak_rss_mb as its max: {j}", out, err)
         if not 0 <= j["combine_shared_tokens"] <= j["tokens"] * j["ranks"]:
             fail(f"combine_shared_tokens outside [0, tokens x ranks]: {j}", out, err)
+        # Every rank of these tests shares the host: each iteration runs from the last call to the last return,
+        # which no rank's own time can undercut (0.1: the one-decimal rounding of both).
+        if j["timing"] != "span" or j["start_skew_us_median"] < 0:
+            fail(f"timing is not span, or a negative start skew: {j}", out, err)
+        if not 0 < j["time_us_median"] <= j["rank_time_us_median"] + 0.1:
+            fail(f"time_us_median not in (0, rank_time_us_median]: {j}", out, err)
         if abs(j["ratio_to_memcpy"] - j["gbps"] / j["memcpy_gbps"]) > 0.0015 + 0.002 * j["ratio_to_memcpy"]:
             fail(f"ratio_to_memcpy != gbps / memcpy_gbps: {j}", out, err)
         if args.nodes > 1:

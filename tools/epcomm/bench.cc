@@ -31,8 +31,12 @@ const char* kBenchEpilog =
     "--tokens 256,1024,4096,16384) and each receive order (both unless --order is given) it runs --warmup\n"
     "untimed and --iters timed iterations of dispatch followed by combine (combine feeds the dispatched "
     "rows\n"
-    "back as expert outputs). A bootstrap barrier precedes every timed call; an iteration's time is the\n"
-    "slowest rank's. The first iteration is checked once, outside the timings, against plain code from the\n"
+    "back as expert outputs). A bootstrap barrier precedes every timed call; an iteration's time runs from\n"
+    "the last rank's call to the last rank's return (ranks on one host share one clock; across hosts: the\n"
+    "slowest rank's own time). A collective cannot end before its last rank calls it, so this leaves out\n"
+    "the skew with which the barrier released the ranks (start_skew_us_median; rank_time_us_median is the\n"
+    "slowest rank's own time, that skew included). The first iteration is checked once, outside the\n"
+    "timings, against plain code from the\n"
     "seed: every received row carries its source token (bitwise) in spec order with the right top-k ids and\n"
     "weights, and combine returns round(sum_k w_k x) (expert_major) or round(n_ranks x) (rank_major) within\n"
     "2u|expected| and the original weights bitwise.\n\n"
@@ -59,13 +63,14 @@ const char* kBenchEpilog =
     "(--bootstrap local, or a quantizing --quant) the baseline fields are null.\n\n"
     "Output: one JSON object per line, fields op, order, ranks, tokens, hidden, topk, experts,\n"
     "expert_alignment, dtype, quant, cached, launcher (fork|threads|mpi), threads, iters, warmup, rows,\n"
-    "row_bytes, bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, gbps,\n"
+    "row_bytes, bytes, bytes_bf16_equiv, time_us_median, time_us_min, time_us_p99, time_us_max, timing\n"
+    "(span|slowest_rank), rank_time_us_median, start_skew_us_median, gbps,\n"
     "gbps_bf16_equiv, memcpy_gbps, ratio_to_memcpy, baseline_time_us_median, baseline_gbps,\n"
     "speedup_vs_baseline, baseline_verified, nodes, network_bytes, network_gbps, link_gbps, ratio_to_link,\n"
     "verified, dispatch_input, combine_input, segment_bytes, output_reserve_bytes, first_iter_us, "
     "first_iter_ratio, peak_rss_mb,\n"
     "peak_rss_mb_per_rank, pss_mb, dispatch_rows, combine_shared_tokens.\n\n"
-    "first_iter_us: the slowest rank's time of the first (warm-up) iteration of this order and token count;\n"
+    "first_iter_us: the time of the first (warm-up) iteration of this order and token count, as the others;\n"
     "first_iter_ratio = first_iter_us / time_us_median. On the first line it is the Buffer's first call.\n\n"
     "combine_input: where combine's x was and how it travelled (Buffer::copy_counters): shared when every\n"
     "combine read it in place from Buffer::get_combine_input (--combine-input shared: the Buffer gets\n"
@@ -203,7 +208,8 @@ Inputs make_inputs(const RunOptions& ro, int r, Buffer& buffer) {
 
 // What one rank measured for one order: epcomm and, under MPI, the baseline, iteration by iteration.
 struct OrderRun {
-  std::vector<double> times, baseline_times;  // dispatch [iters], then combine [iters]
+  std::vector<double> times, baseline_times;    // dispatch [iters], then combine [iters]
+  std::vector<double> starts, baseline_starts;  // when each of those calls began (steady clock, seconds)
   int64_t rows = 0, dispatch_bytes = 0, combine_bytes = 0;
   int64_t ok = 1, baseline_dispatch_ok = 1, baseline_combine_ok = 1;
   int64_t shared_input = 0;           // 1: every combine read x from the shared combine-input area
@@ -213,6 +219,7 @@ struct OrderRun {
   int64_t shared_tokens = 0;          // other ranks' tokens this rank reduced in the combines (all calls)
   double pss_mb = 0;                  // after epcomm's first iteration, its outputs alive
   double first_s[2] = {0, 0};         // the first (warm-up) iteration's dispatch and combine times
+  double first_start[2] = {0, 0};     // and when they began
   double peak_rss_mb = 0;             // after epcomm's first iteration, before the baseline's buffers exist
   int64_t net_pairs = 0;              // several nodes: (token, other node that needs it) pairs of this rank
   OutputDigests digests;              // under MPI: epcomm's first outputs, for the baseline's check
@@ -338,6 +345,8 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   OrderRun run;
   run.times.assign(static_cast<size_t>(2 * iters), 0.0);
   run.baseline_times = run.times;
+  run.starts = run.times;
+  run.baseline_starts = run.times;
   const std::string name =
       std::string(receive_order_name(order)) + ", " + std::to_string(ro.tokens) + " tokens";
   progress.phase(name + ": " + std::to_string(o.warmup) + " warmup + " + std::to_string(iters) +
@@ -345,9 +354,9 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
   for (int it = -o.warmup; it < iters; ++it) {
     const bool first = it == -o.warmup;
     bs.barrier();
-    double t0 = now_s();
+    const double t0d = now_s();
     std::optional<DispatchResult> d = buffer.dispatch(da);
-    const double td = now_s() - t0;
+    const double td = now_s() - t0d;
     const DispatchResult& layout = fresh ? *fresh : *d;  // handle, ids and weights (of the fresh dispatch)
     CombineArgs ca;
     ca.x = combine_input(ro, *d);
@@ -371,17 +380,21 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     ca.config = config;
     if (order == ReceiveOrder::rank_major) ca.topk_weights = layout.recv_topk_weights;
     bs.barrier();
-    t0 = now_s();
+    const double t0c = now_s();
     std::optional<CombineResult> c = buffer.combine(ca);
-    const double tc = now_s() - t0;
+    const double tc = now_s() - t0c;
     ca = CombineArgs();
     if (it >= 0) {
       run.times[it] = td;
       run.times[iters + it] = tc;
+      run.starts[it] = t0d;
+      run.starts[iters + it] = t0c;
     }
     if (first) {  // checked once, outside the timings
       run.first_s[0] = td;
       run.first_s[1] = tc;
+      run.first_start[0] = t0d;
+      run.first_start[1] = t0c;
       progress.phase(name + ": verifying the first iteration");
       check_first(ro, order, r, name, in, layout, *c, run);
       if (fresh) check_cached(r, name, *fresh, *d, run);
@@ -421,41 +434,26 @@ void run_baseline(const BenchOptions& o, ReceiveOrder order, Bootstrap& bs, cons
   }
   for (int it = -o.warmup; it < iters; ++it) {
     bs.barrier();
-    double t0 = now_s();
+    const double t0d = now_s();
     if (o.cached)
       baseline->dispatch_cached();
     else
       baseline->dispatch();
-    const double bd = now_s() - t0;
+    const double bd = now_s() - t0d;
     bs.barrier();
-    t0 = now_s();
+    const double t0c = now_s();
     baseline->combine(baseline->recv_x(),
                       order == ReceiveOrder::rank_major ? baseline->recv_topk_weights() : nullptr);
-    const double bc = now_s() - t0;
+    const double bc = now_s() - t0c;
     if (it >= 0) {
       run.baseline_times[it] = bd;
       run.baseline_times[iters + it] = bc;
+      run.baseline_starts[it] = t0d;
+      run.baseline_starts[iters + it] = t0c;
     }
     if (it == -o.warmup) check_baseline(ro, r, name, *baseline, run);
   }
   run.digests = OutputDigests();
-}
-
-// Median, min, p99 and max (us) of the slowest rank's time per iteration, from all ranks' times of one op.
-struct Timing {
-  double median = 0, min = 0, p99 = 0, max = 0;
-};
-
-Timing slowest_rank_timing(const std::vector<double>& all_times, int ranks, int iters, int op) {
-  std::vector<double> per_rank;
-  for (int s = 0; s < ranks; ++s) {
-    const double* t = all_times.data() + static_cast<size_t>(s) * 2 * iters + static_cast<size_t>(op) * iters;
-    per_rank.insert(per_rank.end(), t, t + iters);
-  }
-  std::vector<double> us = max_over_ranks(per_rank, ranks, iters);
-  for (double& v : us) v *= 1e6;
-  return {median(us), *std::min_element(us.begin(), us.end()), percentile(us, 0.99),
-          *std::max_element(us.begin(), us.end())};
 }
 
 // Everything one order's JSON lines need, gathered at every rank.
@@ -466,7 +464,10 @@ struct OrderReport {
   std::vector<double> peak_rss_mb;  // per rank
   std::vector<double> pss_mb;       // per rank
   std::vector<double> first_s;      // per rank: the first iteration's dispatch and combine seconds
-  double memcpy_gbps[2] = {0, 0};   // dispatch, combine
+  std::vector<double> first_start;  // per rank: when they began
+  std::vector<double> starts, baseline_starts;  // all ranks, rank-major, as times
+  bool one_clock = true;                        // every rank on one host: their steady clocks agree
+  double memcpy_gbps[2] = {0, 0};               // dispatch, combine
   bool has_baseline = false;
   // Internode: per rank, (token, other node) pairs (rows over the network); all ranks' link GB/s summed.
   std::vector<int64_t> net_pairs;
@@ -510,10 +511,12 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
                          : pushed + in_place == 0 ? "staged"
                                                   : "mixed";
   for (int op = 0; op < 2; ++op) {
-    const Timing tm = slowest_rank_timing(rep.times, R, iters, op);
-    double first_us = 0;  // the slowest rank's first iteration
-    for (int s = 0; s < R; ++s)
-      first_us = std::max(first_us, rep.first_s[2 * static_cast<size_t>(s) + op] * 1e6);
+    const Timing tm = collective_timing(op_slice(rep.starts, R, 2, iters, op),
+                                        op_slice(rep.times, R, 2, iters, op), R, iters, rep.one_clock);
+    // The first iteration, timed as the others.
+    const double first_us = collective_timing(op_slice(rep.first_start, R, 2, 1, op),
+                                              op_slice(rep.first_s, R, 2, 1, op), R, 1, rep.one_clock)
+                                .median;
     const int64_t bytes = op == 0 ? dbytes : cbytes;
     const int64_t bf16_bytes = rows * ro.hidden * 2;  // the same rows as bf16, whatever moved
     const double gbps = tm.median > 0 ? static_cast<double>(bytes) / tm.median / 1e3 : 0.0;
@@ -543,6 +546,9 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("time_us_min", tm.min, 1)
         .add("time_us_p99", tm.p99, 1)
         .add("time_us_max", tm.max, 1)
+        .add("timing", rep.one_clock ? "span" : "slowest_rank")
+        .add("rank_time_us_median", tm.rank_median, 1)
+        .add("start_skew_us_median", tm.skew_median, 1)
         .add("gbps", gbps, 3)
         .add("gbps_bf16_equiv", tm.median > 0 ? static_cast<double>(bf16_bytes) / tm.median / 1e3 : 0.0, 3)
         .add("memcpy_gbps", memcpy_gbps, 3)
@@ -550,7 +556,9 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
     PlotPoint pp{
         op == 0 ? "dispatch" : "combine", receive_order_name(order), ro.tokens, gbps, memcpy_gbps, {}};
     if (rep.has_baseline) {
-      const Timing bt = slowest_rank_timing(rep.baseline_times, R, iters, op);
+      const Timing bt =
+          collective_timing(op_slice(rep.baseline_starts, R, 2, iters, op),
+                            op_slice(rep.baseline_times, R, 2, iters, op), R, iters, rep.one_clock);
       const double bgbps = bt.median > 0 ? static_cast<double>(bytes) / bt.median / 1e3 : 0.0;
       j.add("baseline_time_us_median", bt.median, 1)
           .add("baseline_gbps", bgbps, 3)
@@ -637,7 +645,12 @@ OrderReport report_order(const BenchOptions& o, ReceiveOrder order, Buffer& buff
   rep.memcpy_gbps[0] = concurrent_memcpy_gbps(bs, run.dispatch_bytes, o.threads);
   rep.memcpy_gbps[1] = concurrent_memcpy_gbps(bs, run.combine_bytes, o.threads);
   rep.times = all_gather_values(bs, run.times);
-  if (rep.has_baseline) rep.baseline_times = all_gather_values(bs, run.baseline_times);
+  rep.starts = all_gather_values(bs, run.starts);
+  if (rep.has_baseline) {
+    rep.baseline_times = all_gather_values(bs, run.baseline_times);
+    rep.baseline_starts = all_gather_values(bs, run.baseline_starts);
+  }
+
   rep.counts = all_gather_values(
       bs,
       std::vector<int64_t>{run.rows, run.dispatch_bytes, run.combine_bytes, run.ok, run.baseline_dispatch_ok,
@@ -646,6 +659,7 @@ OrderReport report_order(const BenchOptions& o, ReceiveOrder order, Buffer& buff
   rep.peak_rss_mb = all_gather_values(bs, std::vector<double>{run.peak_rss_mb});
   rep.pss_mb = all_gather_values(bs, std::vector<double>{run.pss_mb});
   rep.first_s = all_gather_values(bs, std::vector<double>{run.first_s[0], run.first_s[1]});
+  rep.first_start = all_gather_values(bs, std::vector<double>{run.first_start[0], run.first_start[1]});
   rep.nodes = buffer.num_nodes();
   if (rep.nodes > 1) rep.net_pairs = all_gather_values(bs, std::vector<int64_t>{run.net_pairs});
   return rep;
@@ -693,6 +707,9 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
                               static_cast<int64_t>(dtype_size(ro.dtype)),
                           1);
   Buffer buffer(group, bo);
+  // Ranks of one host read one steady clock: an iteration then runs from the last rank's call to the last
+  // rank's return (span_over_ranks).
+  const bool one_clock = one_host(group->hosts());
   double link_gbps = 0;  // internode: the raw put bandwidth of the same transport, all ranks at once, summed
   if (buffer.num_nodes() > 1) {
     progress.phase("raw UCX put bandwidth to the rail peers");
@@ -740,6 +757,7 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
     ro.tokens = l.tokens;
     OrderReport rep = report_order(o, l.order, buffer, bs, l.run, with_baseline, progress);
     rep.link_gbps = link_gbps;
+    rep.one_clock = one_clock;
     for (int s = 0; s < ro.ranks; ++s)
       all_ok = all_ok && rep.counts[s * kCounts + 3] == 1 && rep.counts[s * kCounts + 4] == 1 &&
                rep.counts[s * kCounts + 5] == 1;
@@ -747,7 +765,8 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   }
   if (r == 0 && !o.plot.empty()) {
     write_bench_svg(o.plot, shape_title(o),
-                    "GB/s = payload bytes / median time of the slowest rank; memcpy: every rank copies the "
+                    "GB/s = payload bytes / median time (last rank's call to last rank's return); memcpy: "
+                    "every rank copies the "
                     "same bytes at once, " +
                         std::to_string(o.threads) + " thread(s) per rank; iters " + std::to_string(ro.iters) +
                         ", warmup " + std::to_string(o.warmup),

@@ -27,12 +27,15 @@ const char* kEpilog =
     "For each rank count it runs --warmup untimed and --iters timed iterations of dispatch_v2, then of\n"
     "combine_v2 (expert outputs = the dispatched rows, dequantized once). Outputs go to caller buffers\n"
     "allocated once (no zero-fill inside the timed calls). A bootstrap barrier precedes every timed call;\n"
-    "an iteration's time is the slowest rank's. The first iteration is checked outside the timings: every\n"
+    "an iteration's time runs from the last rank's call to the last rank's return (timing: span; ranks on\n"
+    "several hosts: the slowest rank's own time, timing: slowest_rank), as in `epcomm bench --help`. The "
+    "first iteration is checked outside the timings: every\n"
     "rank's row count equals the selections routed to it, and combine returns x·Σw (+ x per shared expert)\n"
     "within calc_diff < 3e-3 (quantized) or 1e-5.\n\n"
     "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
     "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, launcher, iters, warmup, selections,\n"
-    "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, gbps_per_rank,\n"
+    "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, timing,\n"
+    "rank_time_us_median, start_skew_us_median, gbps_per_rank,\n"
     "gbps, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes, nodes, network_bytes, network_gbps.\n\n"
     "Byte formula (as the accelerator libraries count it, per (token, expert) selection):\n"
     "  selections     = tokens x topk (each rank's own tokens; shared experts not counted)\n"
@@ -195,25 +198,27 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   progress.phase("measuring the memcpy rate");
   const double mgbps = concurrent_memcpy_gbps(bs, int64_t{32} << 20, 1);  // 32 MiB per rank, one thread
   progress.phase(std::to_string(o.warmup) + " warmup + " + std::to_string(o.iters) + " timed iterations");
-  std::vector<double> times(static_cast<size_t>(2 * o.iters), 0.0);
+  std::vector<double> times(static_cast<size_t>(2 * o.iters), 0.0), starts = times;
   std::vector<double> net(2,
                           0.0);  // bytes this rank handed to the network per timed call (dispatch, combine)
   Counts counts;
   for (int it = -o.warmup; it < o.iters; ++it) {
     bs.barrier();
     const int64_t n0 = moe::group_network_counters(*group).network_bytes;
-    double t0 = now_s();
+    const double t0d = now_s();
     moe::dispatch_v2(*group, nullptr, a);
-    const double td = now_s() - t0;
+    const double td = now_s() - t0d;
     const int64_t n1 = moe::group_network_counters(*group).network_bytes;
     bs.barrier();
-    t0 = now_s();
+    const double t0c = now_s();
     Tensor y = moe::combine_v2(*group, nullptr, c);
-    const double tc = now_s() - t0;
+    const double tc = now_s() - t0c;
     const int64_t n2 = moe::group_network_counters(*group).network_bytes;
     if (it >= 0) {
       times[it] = td;
       times[o.iters + it] = tc;
+      starts[it] = t0d;
+      starts[o.iters + it] = t0c;
       net[0] += static_cast<double>(n1 - n0) / o.iters;
       net[1] += static_cast<double>(n2 - n1) / o.iters;
     }
@@ -252,6 +257,8 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
     }
   }
   const auto all_times = all_gather_values(bs, times);
+  const auto all_starts = all_gather_values(bs, starts);
+  const bool one_clock = one_host(group->hosts());
   const auto all_net = all_gather_values(bs, net);
   const auto all_counts = all_gather_values(bs, std::vector<int64_t>{counts.rows, counts.ok});
   bool verified = true;
@@ -261,17 +268,11 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
     const int64_t elem = o.quant_mode == 0 ? static_cast<int64_t>(dtype_size(o.dtype)) : 1;
     const int64_t drow = H * elem + static_cast<int64_t>(scale_bytes_of(o.quant_mode, H));
     for (int op = 0; op < 2; ++op) {
-      std::vector<double> per_rank;
-      for (int s = 0; s < W; ++s) {
-        const double* t =
-            all_times.data() + static_cast<size_t>(s) * 2 * o.iters + static_cast<size_t>(op) * o.iters;
-        per_rank.insert(per_rank.end(), t, t + o.iters);
-      }
-      std::vector<double> us = max_over_ranks(per_rank, W, o.iters);
-      for (double& v : us) v *= 1e6;
+      const Timing tm = collective_timing(op_slice(all_starts, W, 2, o.iters, op),
+                                          op_slice(all_times, W, 2, o.iters, op), W, o.iters, one_clock);
       const int64_t row_bytes = op == 0 ? drow : H * 2;
       const int64_t bytes = selections * row_bytes;
-      const double med = median(us);
+      const double med = tm.median;
       const double per = med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0;
       double net_bytes = 0;  // all ranks, one call
       for (int s = 0; s < W; ++s) net_bytes += all_net[2 * static_cast<size_t>(s) + op];
@@ -294,9 +295,12 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("row_bytes", row_bytes)
           .add("bytes_per_rank", bytes)
           .add("time_us_median", med, 1)
-          .add("time_us_min", *std::min_element(us.begin(), us.end()), 1)
-          .add("time_us_p99", percentile(us, 0.99), 1)
-          .add("time_us_max", *std::max_element(us.begin(), us.end()), 1)
+          .add("time_us_min", tm.min, 1)
+          .add("time_us_p99", tm.p99, 1)
+          .add("time_us_max", tm.max, 1)
+          .add("timing", one_clock ? "span" : "slowest_rank")
+          .add("rank_time_us_median", tm.rank_median, 1)
+          .add("start_skew_us_median", tm.skew_median, 1)
           .add("gbps_per_rank", per, 3)
           .add("gbps", per * W, 3)
           .add("memcpy_gbps", mgbps, 3)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 
 namespace epcomm::cli {
@@ -13,6 +14,49 @@ std::vector<double> max_over_ranks(const std::vector<double>& per_rank, int rank
   for (int r = 0; r < ranks; ++r)
     for (int i = 0; i < iters; ++i) out[i] = std::max(out[i], per_rank[static_cast<size_t>(r) * iters + i]);
   return out;
+}
+
+std::vector<double> span_over_ranks(const std::vector<double>& starts, const std::vector<double>& durations,
+                                    int ranks, int iters) {
+  std::vector<double> out(static_cast<size_t>(iters), 0.0);
+  for (int i = 0; i < iters; ++i) {
+    double last_start = starts[static_cast<size_t>(i)],
+           last_end = last_start + durations[static_cast<size_t>(i)];
+    for (int r = 1; r < ranks; ++r) {
+      const size_t at = static_cast<size_t>(r) * iters + i;
+      last_start = std::max(last_start, starts[at]);
+      last_end = std::max(last_end, starts[at] + durations[at]);
+    }
+    out[i] = last_end - last_start;
+  }
+  return out;
+}
+
+std::vector<double> start_skew(const std::vector<double>& starts, int ranks, int iters) {
+  std::vector<double> out(static_cast<size_t>(iters), 0.0);
+  for (int i = 0; i < iters; ++i) {
+    double lo = starts[static_cast<size_t>(i)], hi = lo;
+    for (int r = 1; r < ranks; ++r) {
+      lo = std::min(lo, starts[static_cast<size_t>(r) * iters + i]);
+      hi = std::max(hi, starts[static_cast<size_t>(r) * iters + i]);
+    }
+    out[i] = hi - lo;
+  }
+  return out;
+}
+
+std::vector<double> op_slice(const std::vector<double>& all, int ranks, int ops, int iters, int op) {
+  std::vector<double> out;
+  out.reserve(static_cast<size_t>(ranks) * iters);
+  for (int r = 0; r < ranks; ++r) {
+    const auto at = all.begin() + (static_cast<ptrdiff_t>(r) * ops + op) * iters;
+    out.insert(out.end(), at, at + iters);
+  }
+  return out;
+}
+
+bool one_host(const std::vector<std::string>& hosts) {
+  return std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts.front(); });
 }
 
 double median(std::vector<double> v) {
@@ -27,6 +71,22 @@ double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
   return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+}
+
+Timing collective_timing(const std::vector<double>& starts, const std::vector<double>& durations, int ranks,
+                         int iters, bool one_clock) {
+  if (iters <= 0) return {};
+  const std::vector<double> slowest = max_over_ranks(durations, ranks, iters);
+  std::vector<double> us = one_clock ? span_over_ranks(starts, durations, ranks, iters) : slowest;
+  for (double& v : us) v *= 1e6;
+  Timing t;
+  t.median = median(us);
+  t.min = *std::min_element(us.begin(), us.end());
+  t.p99 = percentile(us, 0.99);
+  t.max = *std::max_element(us.begin(), us.end());
+  t.rank_median = median(slowest) * 1e6;
+  t.skew_median = one_clock ? median(start_skew(starts, ranks, iters)) * 1e6 : 0.0;
+  return t;
 }
 
 std::string format_bytes(double bytes) {
