@@ -361,6 +361,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   routing::ExpertMap map{in.num_experts, R, L};
   routing::ReceivePlan plan;
   std::vector<std::vector<int64_t>> push_start(push ? R : 0);  // receiver d's first row of each of our runs
+  int64_t host_rows = in.cached ? hd->host_recv_rows : 0;      // rows all receivers get together
   if (!in.cached) {
     std::vector<const int32_t*> pairs(R), toks(R);
     for (int s = 0; s < R; ++s) {
@@ -375,6 +376,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
                      " gets N = ", p.num_recv_rows, " rows but its num_worst_tokens = ", worst,
                      "; nothing was sent (rows are never truncated)");
       if (push) push_start[d] = p.start;
+      host_rows += p.num_recv_rows;
       if (d == me) plan = std::move(p);
     }
     EPCOMM_CHECK(plan.num_recv_rows < (int64_t{1} << 31), ctx.prefix(), "argument: rank ", me,
@@ -478,6 +480,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     nh->num_local = L;
     nh->num_tokens = in.num_tokens;
     nh->num_recv_rows = N;
+    nh->host_recv_rows = host_rows;
     nh->num_rows = rows;
     nh->expert_alignment = in.expert_alignment;
     nh->num_worst_tokens = in.num_worst_tokens;
@@ -568,6 +571,8 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
     // A token's rows on every receiver served now, written in one pass over it (copy_row_to).
     std::vector<uint8_t*> rows_to(static_cast<size_t>(copy_slots));
+    // Few rows in all: plain stores, so that the receivers find them in the shared cache.
+    const bool cached_rows = static_cast<size_t>(host_rows) * (bytes + scale_bytes) <= cached_push_bytes();
     for (int64_t t = 0; t < in.num_tokens; ++t) {
       const uint8_t* x = in.x + t * in.x_row_bytes;
       if (f.quantize) {  // once per token, whatever the number of its rows
@@ -601,7 +606,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
           }
         }
       }
-      copy_row_to(rows_to.data(), n_to, x, bytes, false);
+      copy_row_to(rows_to.data(), n_to, x, bytes, false, cached_rows);
     }
     store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
     for (int d = 0; d < R; ++d)

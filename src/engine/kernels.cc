@@ -7,6 +7,8 @@
 #include <cstring>
 #include <utility>
 
+#include <unistd.h>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -83,10 +85,10 @@ constexpr size_t kStreamMin = 2048;  // below this a row stays in cache: plain m
 
 }  // namespace
 
-void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, bool fence) {
+void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, bool fence, bool cached) {
   if (n == 0) return;  // (a token none of whose rows go to the receivers served now is not read)
 #if defined(__x86_64__)
-  bool aligned = true;
+  bool aligned = !cached;
   for (int j = 0; j < n; ++j) aligned = aligned && (reinterpret_cast<uintptr_t>(dsts[j]) & 63) == 0;
   if (kStreamCopy && bytes >= kStreamMin && aligned) {
     kStreamCopy(dsts, n, static_cast<const uint8_t*>(src), bytes, fence);
@@ -99,6 +101,19 @@ void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, boo
 void copy_row(void* dst, const void* src, size_t bytes, bool fence) {
   uint8_t* d = static_cast<uint8_t*>(dst);
   copy_row_to(&d, 1, src, bytes, fence);
+}
+
+size_t cached_push_bytes() {
+  static const size_t limit = [] {
+    constexpr size_t kMax = size_t{16} << 20;
+    long llc = -1;
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (llc <= 0) llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return llc > 0 ? std::min(kMax, static_cast<size_t>(llc) / 2) : kMax;
+  }();
+  return limit;
 }
 
 void store_fence() {
