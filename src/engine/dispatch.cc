@@ -201,9 +201,14 @@ void check_headers_match(const OpContext& ctx) {
   report("config.num_max_rdma_chunked_recv_tokens", [](const HeaderData* h) { return h->chunks[3]; });
 }
 
-void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
+void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
                   const std::function<void()>& on_shapes) {
   const int R = ctx.size(), me = ctx.rank();
+  // Our tokens' routing. A fresh dispatch moves these vectors into its handle below: their elements stay
+  // where they are, so these pointers stay valid.
+  const int32_t* const my_ids = in.ids.data();
+  const float* const my_weights = in.weights.data();
+  const uint8_t* const my_in_rank = in.in_rank.data();
   const Handle::Impl* hd = in.handle.get();
   const int K = in.cached ? hd->num_topk : in.num_topk;
   const bool has_topk = in.cached ? hd->has_topk : in.num_topk > 0;
@@ -266,10 +271,10 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
       if (meta) {
         uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
         if (K > 0) {
-          std::memcpy(m, &in.ids[t * K], sizeof(int32_t) * K);
-          std::memcpy(m + 4 * K, &in.weights[t * K], sizeof(float) * K);
+          std::memcpy(m, &my_ids[t * K], sizeof(int32_t) * K);
+          std::memcpy(m + 4 * K, &my_weights[t * K], sizeof(float) * K);
         } else {
-          std::memcpy(m, &in.in_rank[t * R], R);
+          std::memcpy(m, &my_in_rank[t * R], R);
         }
       }
     }
@@ -287,7 +292,7 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
   std::optional<WindowSender> sender;
   std::optional<AckForwarder> acks;
   if (inter) {
-    const std::vector<uint8_t>& in_rank = in.cached ? hd->in_rank : in.in_rank;
+    const uint8_t* in_rank = in.cached ? hd->in_rank.data() : my_in_rank;
     const Topology& topo = inter->topo;
     std::vector<std::vector<int32_t>> node_tokens(M);
     for (int64_t t = 0; t < in.num_tokens; ++t)
@@ -486,9 +491,9 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
     nh->num_worst_tokens = in.num_worst_tokens;
     nh->hidden = in.hidden;
     nh->has_topk = has_topk;
-    nh->topk_ids = in.ids;
-    nh->topk_weights = in.weights;
-    nh->in_rank = in.in_rank;
+    nh->topk_ids = std::move(in.ids);
+    nh->topk_weights = std::move(in.weights);
+    nh->in_rank = std::move(in.in_rank);
     nh->tokens_per_rank = in.tokens_per_rank;
     nh->list = plan.list;
     nh->cnt = plan.cnt;
@@ -599,9 +604,9 @@ void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
             send_rows[t * copy_slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
           };
           if (K == 0) {
-            if (in.in_rank[t * R + d]) write(next[d]++, -1);
+            if (my_in_rank[t * R + d]) write(next[d]++, -1);
           } else {
-            for_each_row(map, by_expert, &in.ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d],
+            for_each_row(map, by_expert, &my_ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d],
                          write);
           }
         }

@@ -69,8 +69,9 @@ struct DispatchOutput {
   std::shared_ptr<Handle::Impl> handle;
 };
 
-// Runs one dispatch. `on_shapes` is called once the outputs exist (before any payload moves).
-void run_dispatch(OpContext& ctx, const DispatchInput& in, DispatchOutput& out,
+// Runs one dispatch. `on_shapes` is called once the outputs exist (before any payload moves). A fresh
+// dispatch moves the routing of `in` (ids, weights, in_rank) into the handle: they are not copied.
+void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
                   const std::function<void()>& on_shapes);
 
 // The check every rank runs on all headers: parameters that must match (normal-mode.md §8).
