@@ -73,6 +73,9 @@ struct BufferOptions {
   // dispatch and combine do not pay the kernel's first-touch page faults (zeroing, well under 1 GB/s on some
   // hosts). Size it like the outputs of one dispatch + combine: about num_tokens x num_topk x row bytes
   // (expert_major; num_tokens x ranks reached in rank_major) + num_tokens x hidden x elem. 0 = none. Local.
+  // Once every rank has mapped the reserves, each rank also passes once over every reserve it may write
+  // rows into (streaming stores; env EPCOMM_ARENA_SETTLE=0 skips it): on some virtual machines the first
+  // pass of stores through a mapping of shared pages is 30-60x slower than the next.
   int64_t num_output_reserve_bytes = 0;
   // Address space of this rank's output arena (one node): a shared-memory range, mapped by every peer, that
   // the outputs are carved from (and handed to the allocator through Allocator::adopt), so that a dispatch

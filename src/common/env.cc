@@ -39,6 +39,10 @@ const Knob kKnobs[] = {
      "whether a rank done with its own tokens of a direct combine reduces the last chunks of a slower "
      "rank's tokens: auto (yes, unless the host's ranks outnumber its cores), 1 (always), 0 (never); for "
      "A/B measurements, results are the same bits either way; docs/design.md"},
+    {"EPCOMM_ARENA_SETTLE", "1",
+     "1: a Buffer with an output reserve passes once over every reserve it may write rows into, through "
+     "each of its mappings, when it is created (on some virtual machines the first pass of stores through "
+     "a mapping of shared pages is 30-60x slower than the next); 0: no pass; docs/design.md"},
 };
 const int kNumKnobs = static_cast<int>(sizeof(kKnobs) / sizeof(kKnobs[0]));
 
@@ -98,6 +102,13 @@ int combine_sharing() {
   auto v = get("EPCOMM_COMBINE_SHARING");
   if (!v || *v == "auto") return -1;
   EPCOMM_CHECK(*v == "0" || *v == "1", "EPCOMM_COMBINE_SHARING: expected auto, 0 or 1, got '", *v, "'");
+  return *v == "1";
+}
+
+bool arena_settle() {
+  auto v = get("EPCOMM_ARENA_SETTLE");
+  if (!v) return true;
+  EPCOMM_CHECK(*v == "0" || *v == "1", "EPCOMM_ARENA_SETTLE: expected 0 or 1, got '", *v, "'");
   return *v == "1";
 }
 

@@ -35,5 +35,6 @@ int ranks_per_node();             // EPCOMM_RANKS_PER_NODE, default 0 (one node 
 std::string shm_mode();           // EPCOMM_SHM: "auto" (default), "memfd" or "named"
 int64_t output_arena_bytes();     // EPCOMM_OUTPUT_ARENA: -1 = auto (default), else bytes (0 = none)
 int combine_sharing();            // EPCOMM_COMBINE_SHARING: -1 = auto (default), 1 = always, 0 = never
+bool arena_settle();  // EPCOMM_ARENA_SETTLE: pass over the output reserves at creation (default 1)
 
 }  // namespace epcomm::env

@@ -333,6 +333,25 @@ MR_CASE("dispatch_large_transfer", {}) {
   }
 }
 
+MR_CASE("dispatch_output_reserve", {}) {
+  // A Buffer with an output reserve: its pages are written through and, unless EPCOMM_ARENA_SETTLE=0, every
+  // rank passes over every reserve it may write (storing zeros) before the constructor returns. The outputs
+  // of the first calls land in those pages and must equal the reference, fresh and cached.
+  BufferOptions o = test_options();
+  o.num_output_reserve_bytes = 24 << 20;
+  Buffer buf(ctx.group, o);
+  uint64_t seed = 41;
+  for (int rep = 0; rep < 2; ++rep)
+    for (ReceiveOrder order : kOrders) {
+      RoundTrip rt;  // the production hidden size: the first call's rows fill the start of the reserve
+      rt.spec = spec_for(ctx, seed++, 4, 8, 7168);
+      rt.spec.min_tokens = 24;
+      rt.spec.max_tokens = 48;
+      rt.order = order;
+      run_round_trip(ctx, buf, rt);
+    }
+}
+
 MR_CASE("dispatch_zero_tokens", {}) {
   Buffer buf(ctx.group, test_options());
   for (ReceiveOrder order : kOrders) {

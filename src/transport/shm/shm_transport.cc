@@ -68,6 +68,7 @@ class ShmTransport final : public Transport {
   // open some memfd and `must` is false (every rank then returns false and has released everything).
   bool attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must);
   void attach_own_arena(int fd, size_t total, SegmentRef& mine);
+  void settle_reserves(Bootstrap& bootstrap, const std::vector<SegmentRef>& refs);
 
   int rank_, size_;
   int spins_;  // polls before sleeping: a waiter only spins when every rank can have its own core
@@ -106,6 +107,19 @@ void warm_peer_range(uint8_t* p, size_t bytes) {
   (void)madvise(p, bytes, MADV_POPULATE_WRITE);  // older kernels: the loads below fault the entries in
 #endif
   touch_pages(p, bytes);
+}
+
+// Stores zeros over [p, p + bytes) with streaming stores (one pass, around the cache).
+void stream_zeros(uint8_t* p, size_t bytes) {
+#if defined(__x86_64__)
+  const __m128i z = _mm_setzero_si128();
+  size_t i = 0;
+  for (; i + 16 <= bytes; i += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(p + i), z);
+  _mm_sfence();
+  if (i < bytes) std::memset(p + i, 0, bytes - i);
+#else
+  std::memset(p, 0, bytes);
+#endif
 }
 
 void populate_start(uint8_t* p, size_t total) {
@@ -305,6 +319,7 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
       release();  // every rank falls back together
       return false;
     }
+    settle_reserves(bootstrap, refs);
     unlink_all();
     close(own_fd);
     own_fd = -1;
@@ -319,6 +334,29 @@ ShmTransport::~ShmTransport() {
   unlink_all();
   for (int r = 0; r < size_; ++r)
     if (maps_[r]) munmap(maps_[r], map_bytes_[r]);
+}
+
+// Every mapping of a reserve is populated now. On some virtual machines (the development VM among them) the
+// first pass of stores through a mapping of shared pages, once another mapping of them is populated, runs
+// 30-60x slower than the next pass, through either mapping (measured on 128 MiB with two populated
+// mappings: 213-445 ms for the first streaming pass through each, 7 ms for the next; one load or one store
+// per page beforehand does not help, a full pass does, and it lasts). Without the passes below the first
+// calls that write rows into a reserve pay that (the first 256-token expert_major dispatch after a 2 GiB
+// reserve took 10-37x its median). A reserve is how a caller asks to pay first-touch costs at creation
+// instead, so this rank passes once over every reserve it may write rows into: its own, and each peer's
+// through its mapping of it (on a machine without the effect that costs one streaming pass of memory
+// bandwidth). The reserves hold nothing yet (zeros, which the passes store again), and a barrier keeps every
+// rank from writing outputs there before the others are done. EPCOMM_ARENA_SETTLE=0 skips the passes.
+void ShmTransport::settle_reserves(Bootstrap& bootstrap, const std::vector<SegmentRef>& refs) {
+  bool any = false;  // the same on every rank: the barrier below is collective
+  for (int r = 0; r < size_; ++r) any = any || (refs[r].arena_bytes && refs[r].arena_reserve);
+  if (!any || !env::arena_settle()) return;
+  for (int i = 0; i < size_; ++i) {
+    const int r = (rank_ + i) % size_;  // ours first, then the peers' (from different ranks at once)
+    if (arenas_[r] && refs[r].arena_bytes)
+      stream_zeros(arenas_[r], std::min<uint64_t>(refs[r].arena_reserve, refs[r].arena_bytes));
+  }
+  bootstrap.barrier();
 }
 
 // Our output arena: the file grows (sparsely) by the arena, mapped on its own so that it outlives the
