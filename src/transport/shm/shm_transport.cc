@@ -348,14 +348,15 @@ ShmTransport::~ShmTransport() {
 // bandwidth). The reserves hold nothing yet (zeros, which the passes store again), and a barrier keeps every
 // rank from writing outputs there before the others are done. EPCOMM_ARENA_SETTLE=0 skips the passes.
 void ShmTransport::settle_reserves(Bootstrap& bootstrap, const std::vector<SegmentRef>& refs) {
-  bool any = false;  // the same on every rank: the barrier below is collective
+  bool any = false;  // the same on every rank: the barrier below is collective (whatever each rank's env)
   for (int r = 0; r < size_; ++r) any = any || (refs[r].arena_bytes && refs[r].arena_reserve);
-  if (!any || !env::arena_settle()) return;
-  for (int i = 0; i < size_; ++i) {
-    const int r = (rank_ + i) % size_;  // ours first, then the peers' (from different ranks at once)
-    if (arenas_[r] && refs[r].arena_bytes)
-      stream_zeros(arenas_[r], std::min<uint64_t>(refs[r].arena_reserve, refs[r].arena_bytes));
-  }
+  if (!any) return;
+  if (env::arena_settle())
+    for (int i = 0; i < size_; ++i) {
+      const int r = (rank_ + i) % size_;  // ours first, then the peers' (from different ranks at once)
+      if (arenas_[r] && refs[r].arena_bytes)
+        stream_zeros(arenas_[r], std::min<uint64_t>(refs[r].arena_reserve, refs[r].arena_bytes));
+    }
   bootstrap.barrier();
 }
 
