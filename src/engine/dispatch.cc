@@ -260,10 +260,7 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
         quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
       } else if (rows) {
         // Plain stores into a cache-sized window: the receivers read it from the shared cache.
-        if (geo.cache_resident)
-          std::memcpy(dst, x, f.data_row_bytes);
-        else
-          copy_row(dst, x, f.data_row_bytes);
+        copy_row(dst, x, f.data_row_bytes, true, geo.cache_resident);
         if (in.scales)
           gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
                         f.scale_cols, dtype_size(f.scale_dtype));
@@ -577,7 +574,8 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
     // A token's rows on every receiver served now, written in one pass over it (copy_row_to).
     std::vector<uint8_t*> rows_to(static_cast<size_t>(copy_slots));
     // Few rows in all: plain stores, so that the receivers find them in the shared cache.
-    const bool cached_rows = static_cast<size_t>(host_rows) * (bytes + scale_bytes) <= cached_push_bytes();
+    const bool rows_cache_resident =
+        static_cast<size_t>(host_rows) * (bytes + scale_bytes) <= cache_resident_push_bytes();
     for (int64_t t = 0; t < in.num_tokens; ++t) {
       const uint8_t* x = in.x + t * in.x_row_bytes;
       if (f.quantize) {  // once per token, whatever the number of its rows
@@ -611,7 +609,7 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
           }
         }
       }
-      copy_row_to(rows_to.data(), n_to, x, bytes, false, cached_rows);
+      copy_row_to(rows_to.data(), n_to, x, bytes, false, rows_cache_resident);
     }
     store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
     for (int d = 0; d < R; ++d)

@@ -59,10 +59,7 @@ void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, s
   const int64_t H = f.H;
   switch (f.quant_mode) {
     case 0:
-      if (plain)
-        std::memcpy(dst, x, f.data_bytes);
-      else
-        copy_row(dst, x, f.data_bytes);
+      copy_row(dst, x, f.data_bytes, true, plain);
       return;
     case 1:
       quant::int8_static(f.x_dtype, x, H, smoothing_for(in, row), reinterpret_cast<int8_t*>(dst));

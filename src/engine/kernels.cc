@@ -85,10 +85,11 @@ constexpr size_t kStreamMin = 2048;  // below this a row stays in cache: plain m
 
 }  // namespace
 
-void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, bool fence, bool cached) {
+void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, bool fence,
+                 bool cache_resident) {
   if (n == 0) return;  // (a token none of whose rows go to the receivers served now is not read)
 #if defined(__x86_64__)
-  bool aligned = !cached;
+  bool aligned = !cache_resident;
   for (int j = 0; j < n; ++j) aligned = aligned && (reinterpret_cast<uintptr_t>(dsts[j]) & 63) == 0;
   if (kStreamCopy && bytes >= kStreamMin && aligned) {
     kStreamCopy(dsts, n, static_cast<const uint8_t*>(src), bytes, fence);
@@ -98,12 +99,12 @@ void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, boo
   for (int j = 0; j < n; ++j) std::memcpy(dsts[j], src, bytes);
 }
 
-void copy_row(void* dst, const void* src, size_t bytes, bool fence) {
+void copy_row(void* dst, const void* src, size_t bytes, bool fence, bool cache_resident) {
   uint8_t* d = static_cast<uint8_t*>(dst);
-  copy_row_to(&d, 1, src, bytes, fence);
+  copy_row_to(&d, 1, src, bytes, fence, cache_resident);
 }
 
-size_t cached_push_bytes() {
+size_t cache_resident_push_bytes() {
   static const size_t limit = [] {
     constexpr size_t kMax = size_t{16} << 20;
     long llc = -1;

@@ -10,19 +10,19 @@
 
 namespace epcomm::engine {
 
-// Copies one payload row (large rows with streaming stores). `fence` false: the caller issues one
-// store_fence() after a batch of rows, before whatever publishes them.
-void copy_row(void* dst, const void* src, size_t bytes, bool fence = true);
+// Copies one payload row (large rows with streaming stores, unless `cache_resident`: plain stores, for
+// rows their reader is to find in the cache). `fence` false: the caller issues one store_fence() after a
+// batch of rows, before whatever publishes them.
+void copy_row(void* dst, const void* src, size_t bytes, bool fence = true, bool cache_resident = false);
 // Copies one row to each of `n` destinations in one pass over the source (each block loaded once, stored
-// to every destination), as copy_row would one by one. `cached`: plain stores whatever the size, for a
-// batch of rows small enough to stay in the cache for their readers (cached_push_bytes).
+// to every destination), as copy_row would one by one.
 void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, bool fence = true,
-                 bool cached = false);
+                 bool cache_resident = false);
 // A dispatch whose pushed rows, all ranks of the host together, weigh at most this many bytes writes them
 // with plain stores: they stay in the shared cache, where their receivers read them next (the combine, or
 // the experts), instead of going to memory and back. Half the last-level cache the system reports, at most
 // 16 MiB (a VM may report the whole machine's caches), 16 MiB when it reports none.
-size_t cached_push_bytes();
+size_t cache_resident_push_bytes();
 void store_fence();
 
 // Packs row t of a strided scales tensor (element (t, c) at base + (t*st0 + c*st1) * elem) contiguously.

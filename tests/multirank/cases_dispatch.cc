@@ -340,6 +340,7 @@ MR_CASE("dispatch_output_reserve", {}) {
   BufferOptions o = test_options();
   o.num_output_reserve_bytes = 24 << 20;
   Buffer buf(ctx.group, o);
+  const int64_t pushed_before = buf.copy_counters().dispatch_pushed_tokens;
   uint64_t seed = 41;
   for (int rep = 0; rep < 2; ++rep)
     for (ReceiveOrder order : kOrders) {
@@ -350,6 +351,10 @@ MR_CASE("dispatch_output_reserve", {}) {
       rt.order = order;
       run_round_trip(ctx, buf, rt);
     }
+  // On one node with arenas the rows were pushed into the receivers' arenas, where the reserves are.
+  if (buf.num_output_arena_bytes() > 0 && buf.num_nodes() == 1)
+    REQUIRE(buf.copy_counters().dispatch_pushed_tokens > pushed_before,
+            "dispatch_output_reserve: no dispatch pushed its rows into the output arenas");
 }
 
 MR_CASE("dispatch_zero_tokens", {}) {
