@@ -37,8 +37,8 @@ const Knob kKnobs[] = {
      "byte count; docs/design.md"},
     {"EPCOMM_COMBINE_SHARING", "auto",
      "whether a rank done with its own tokens of a direct combine reduces the last chunks of a slower "
-     "rank's tokens: auto (yes, unless the host's ranks outnumber its cores), 1 (always), 0 (never); for "
-     "A/B measurements, results are the same bits either way; docs/design.md"},
+     "rank's tokens: auto (yes, unless the host's ranks exceed twice its cores), 1 (always), 0 (never); "
+     "for A/B measurements, results are the same bits either way; docs/design.md"},
     {"EPCOMM_ARENA_SETTLE", "1",
      "1: a Buffer with an output reserve passes once over every reserve it may write rows into, through "
      "each of its mappings, when it is created (on some virtual machines the first pass of stores through "
@@ -122,9 +122,9 @@ int ranks_per_node() {
   return static_cast<int>(p);
 }
 
-bool ranks_outnumber_cores(int local_ranks) {
+bool ranks_outnumber_cores(int local_ranks, int per_core) {
   const unsigned hw = std::thread::hardware_concurrency();
-  return hw != 0 && static_cast<unsigned>(local_ranks) > hw;
+  return hw != 0 && static_cast<unsigned>(local_ranks) > hw * static_cast<unsigned>(per_core);
 }
 
 int spin_count(int local_ranks) {

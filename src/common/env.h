@@ -26,9 +26,9 @@ bool get_flag(const char* name);  // "1", "true", "yes", "on" (any case) are tru
 double timeout_s();     // EPCOMM_TIMEOUT_S, default 100
 bool poison_outputs();  // EPCOMM_POISON_OUTPUTS
 bool normal_int8();     // DEEP_NORMAL_MODE_USE_INT8_QUANT or EPCOMM_NORMAL_INT8 == "1"
-// Whether `local_ranks` ranks on this host outnumber its hardware threads (then a rank that waits should
-// give its core to the one it waits for).
-bool ranks_outnumber_cores(int local_ranks);
+// Whether `local_ranks` ranks on this host outnumber `per_core` times its hardware threads (per_core 1: a
+// rank that waits should then give its core to the one it waits for).
+bool ranks_outnumber_cores(int local_ranks, int per_core = 1);
 int spin_count(int local_ranks);  // EPCOMM_SPIN: polls before a waiter sleeps on its futex
 std::string ucx_write_mode();     // EPCOMM_UCX_WRITE: "am" (default) or "put"
 int ranks_per_node();             // EPCOMM_RANKS_PER_NODE, default 0 (one node per host)

@@ -474,11 +474,12 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   const int64_t cx_off = arena ? arena->offset_of(cx, out.combined_x.nbytes()) : -1;
   const int64_t cw_off = sum_g && arena ? arena->offset_of(cw, sizeof(float) * T * K) : -1;
   const size_t table_bytes = sizeof(ShareCopy) * static_cast<size_t>(T) * slots;
-  // Not when the ranks outnumber the cores: then no core idles while a slower rank works (a rank done with
-  // its own tokens sleeps and gives its core to the others), and a helper descheduled in the middle of a
-  // chunk would hold its origin up (measured at 8 ranks on 2 cores: 102 ms without, 107-118 ms with).
+  // auto: also when the ranks outnumber the cores, up to two per core. The scheduler shares the cores by
+  // time, not by progress: a core can idle while two unfinished ranks take turns on the other. Beyond two
+  // per core, a helper descheduled in the middle of a chunk holds its origin up for longer than sharing
+  // gains (docs/performance.md, "Twelfth session"). All R ranks are on this host (direct: one node).
   const int sharing = env::combine_sharing();
-  const bool share = R > 1 && (sharing < 0 ? !ctx.transport().oversubscribed() : sharing == 1);
+  const bool share = R > 1 && (sharing < 0 ? !env::ranks_outnumber_cores(R, 2) : sharing == 1);
   // The table goes in our data area (unused by a direct combine) whenever it fits, offered or not: no
   // allocation per call.
   const bool table_fits = table_bytes <= ctx.layout().data_bytes;
