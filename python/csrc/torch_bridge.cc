@@ -85,6 +85,21 @@ at::ScalarType torch_dtype(DType dtype) {
   return at::kByte;
 }
 
+// The torch.<name> a Python user knows a scalar type by (c10's own names are C++ spellings: "ComplexFloat").
+std::string python_dtype_name(at::ScalarType type) {
+  static const std::pair<at::ScalarType, const char*> kNames[] = {{at::kDouble, "float64"},
+                                                                  {at::kShort, "int16"},
+                                                                  {at::kComplexHalf, "complex32"},
+                                                                  {at::kComplexFloat, "complex64"},
+                                                                  {at::kComplexDouble, "complex128"},
+                                                                  {at::kQInt8, "qint8"},
+                                                                  {at::kQUInt8, "quint8"},
+                                                                  {at::kQInt32, "qint32"}};
+  for (const auto& [t, name] : kNames)
+    if (t == type) return std::string("torch.") + name;
+  return std::string("torch dtype ") + c10::toString(type);
+}
+
 DType epcomm_dtype(at::ScalarType type, const char* what) {
   switch (type) {
     case at::kBFloat16:
@@ -103,13 +118,28 @@ DType epcomm_dtype(at::ScalarType type, const char* what) {
       return DType::i64;
     case at::kBool:
       return DType::boolean;
+      // The one-byte formats, where the torch built against has their dtypes (2.1 fp8, 2.7 e8m0, 2.8 fp4x2).
+#if __has_include(<c10/util/Float8_e4m3fn.h>)
+    case at::ScalarType::Float8_e4m3fn:
+      return DType::f8e4m3;
+    case at::ScalarType::Float8_e5m2:
+      return DType::f8e5m2;
+#endif
+#if __has_include(<c10/util/Float8_e8m0fnu.h>)
+    case at::ScalarType::Float8_e8m0fnu:
+      return DType::e8m0;
+#endif
+#if __has_include(<c10/util/Float4_e2m1fn_x2.h>)
+    case at::ScalarType::Float4_e2m1fn_x2:
+      return DType::f4x2;
+#endif
     default:
       break;
   }
-  invalid(
-      std::string("argument: ") + what + ": torch dtype " + c10::toString(type) +
-      " is not one epcomm moves (bfloat16, float16, float32, int8, uint8, int32, int64, bool; fp8/e8m0/fp4x2 "
-      "as their torch dtypes or as uint8)");
+  invalid(std::string("argument: ") + what + ": " + python_dtype_name(type) +
+          " is not a dtype epcomm moves (torch.bfloat16, float16, float32, int8, uint8, int32, int64, bool, "
+          "float8_e4m3fn, float8_e5m2, float8_e8m0fnu, float4_e2m1fn_x2; uint8 for the last four where the "
+          "installed torch lacks them)");
 }
 
 DType parse_dtype(const std::string& name) {

@@ -12,8 +12,9 @@
 
 namespace epcomm::python {
 
-// epcomm dtype <-> torch dtype. Formats torch 1.13 lacks (f8e4m3, f8e5m2, e8m0, f4x2) travel as torch.uint8;
-// the Python layer views them as the real torch dtypes where the installed torch has them.
+// epcomm dtype <-> torch dtype. The one-byte formats (f8e4m3, f8e5m2, e8m0, f4x2) leave C++ as torch.uint8
+// and the Python layer views them as the real torch dtypes where the installed torch has them; as input the
+// real dtypes are read directly (epcomm_dtype), uint8 with a format name (from_torch's `as`).
 at::ScalarType torch_dtype(DType dtype);
 DType epcomm_dtype(at::ScalarType type, const char* what);
 DType parse_dtype(const std::string& name);  // "bf16", "f8e4m3", ... (dtype_name's spelling)

@@ -1,5 +1,6 @@
-"""torch dtypes <-> epcomm format names. Formats torch 1.13 lacks (fp8, e8m0, fp4x2) travel as torch.uint8;
-with a torch that has the real dtypes, outputs are viewed as them and inputs in them are accepted."""
+"""torch dtypes <-> epcomm format names. Outputs in the one-byte formats (fp8, e8m0, fp4x2) come back as the
+real torch dtypes (float8_e8m0fnu needs torch 2.7, float4_e2m1fn_x2 torch 2.8; with an older torch such a
+format stays torch.uint8); inputs are accepted in the real dtypes or as uint8 views of the same bytes."""
 import torch
 
 # epcomm name -> attribute of the torch module that names the real dtype, where one exists.
@@ -70,8 +71,8 @@ def byte_view(t):
 
 
 def tuple_formats(data, scales, quant_mode):
-    """epcomm format names for a pre-quantized (data, scales) tuple whose one-byte tensors are plain
-    torch.uint8 (torch lacks the fp8/e8m0/fp4 dtypes). quant_mode, when given, decides; otherwise the
+    """epcomm format names for a pre-quantized (data, scales) tuple, whose one-byte tensors may be plain
+    torch.uint8 views. quant_mode, when given, decides; otherwise the
     shapes do: f32 scales mean e4m3 data, e8m0 scales with H/32 per row mean e4m3 data (mx_fp8_e4m3; say
     quant_mode="mx_fp8_e5m2" for e5m2) and with 2*cols/32 per row fp4x2 data."""
     d, dn = byte_view(data)

@@ -3,8 +3,8 @@ shared-memory engine, computed in torch on this rank and moved with torch.distri
 Buffer's process group. It is the seed's fallback mode and, sharing no code with the engine, a reference
 for it: every output (rows, order, PAD rows, lists, handle accessors, combine bits) equals the engine's.
 
-How data moves (gloo in torch 1.13 supports all_to_all_single with uneven splits, but not bfloat16, so rows
-travel as bytes):
+How data moves (rows travel as bytes through all_to_all_single with uneven splits: gloo has no all_to_all of
+lists, and its dtype support varies between torch versions):
 - every collective call starts with dist.all_gather_object of a header (operation, sequence number, the
   parameters that must match, this rank's validation status and message, and for a fresh dispatch its
   per-expert and per-rank counts); a failed rank or a mismatch makes every rank raise, before data moves;

@@ -9,7 +9,11 @@ from . import _C
 
 def _all_gather_bytes(pg, data):
     n = dist.get_world_size(pg)
-    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    # A tensor that owns its memory: one viewing a Python bytearray would need the interpreter when gloo frees
+    # it, which may happen on one of gloo's threads while or after the interpreter shuts down (abort at exit).
+    mine = torch.empty(len(data), dtype=torch.uint8)
+    if data:
+        mine.numpy()[:] = memoryview(data).cast("B")
     out = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(out, mine, group=pg)
     return b"".join(t.numpy().tobytes() for t in out)

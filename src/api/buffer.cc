@@ -8,8 +8,10 @@
 
 #include "api/event_state.h"
 #include "api/internode_setup.h"
+#include "api/setup_log.h"
 #include "common/check.h"
 #include "common/env.h"
+#include "common/log.h"
 #include "routing/layout.h"
 #include "tensor/output_arena.h"
 
@@ -18,6 +20,10 @@ namespace epcomm {
 namespace {
 std::atomic<int> g_num_threads{0};
 constexpr int64_t kDefaultSegmentBytes = 64ll << 20;
+
+int64_t payload_bytes(const Payload& p) {
+  return static_cast<int64_t>(p.data.nbytes() + (p.scales ? p.scales->nbytes() : 0));
+}
 
 // Outputs from the rank's output arena, handed to the user's allocator (adopt); from the allocator itself
 // once the arena has no room.
@@ -55,6 +61,11 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   b.rank = group->rank();
   b.num_ranks = group->size();
   const std::string pre = detail::cat("epcomm[rank ", b.rank, "] Buffer: ");
+  try {
+    log::level();  // a bad EPCOMM_LOG fails here, not in a call
+  } catch (const Error& e) {
+    EPCOMM_THROW(InvalidUsage, pre, e.what());
+  }
   EPCOMM_CHECK(!options.low_latency_mode, pre, "argument: low_latency_mode=True is not supported by epcomm");
   EPCOMM_CHECK(!options.enable_shrink, pre, "argument: enable_shrink=True is not supported by epcomm");
   EPCOMM_CHECK(options.num_nvl_bytes >= 0, pre, "argument: num_nvl_bytes: expected >= 0, got ",
@@ -143,6 +154,20 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   if (options.num_output_reserve_bytes > 0 && !b.transport->output_arena())
     b.allocator->reserve(static_cast<size_t>(options.num_output_reserve_bytes));
   b.start_comm_thread();
+  EPCOMM_LOG(info, b.rank, "Buffer: ", b.describe());
+}
+
+std::string Buffer::Impl::describe() const {
+  const auto arena = transport->output_arena();
+  return detail::cat(
+      detail::describe_ranks(rank, node_of_rank, *transport, network.get()), "; segment ",
+      detail::bytes_str(nvl_bytes),
+      num_nodes > 1 ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
+      "; output arena ", arena ? detail::bytes_str(static_cast<int64_t>(arena->bytes())) : "none",
+      ", reserve ", detail::bytes_str(options.num_output_reserve_bytes), "; combine input ",
+      detail::bytes_str(input_bytes), ", dispatch input ", detail::bytes_str(dispatch_input_bytes),
+      "; receive order ", receive_order_name(options.receive_order), "; timeout ", timeout_s,
+      " s; copy threads ", Buffer::num_threads());
 }
 
 // Internode (spec §6): equal node sizes, a shared-memory transport over this node's ranks whose segments
@@ -359,7 +384,10 @@ void Buffer::Impl::check_usable(const char* op) {
 
 void Buffer::Impl::mark_failed(const std::string& message) {
   std::lock_guard<std::mutex> lk(failed_mutex);
-  if (failed_message.empty()) failed_message = message;
+  if (failed_message.empty()) {
+    failed_message = message;
+    EPCOMM_LOG(error, rank, "the Buffer failed, later calls raise Aborted: ", message);
+  }
 }
 
 // A synchronous call runs on the caller's thread when the communication thread has nothing queued or
@@ -395,11 +423,17 @@ static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, e
         ctx.publish_failed_header(kind, failed_message);
         throw Error(ErrorCode::Aborted, failed_message);
       }
-      body(ctx, [&] {
+      const bool debug = log::enabled(log::Level::debug);
+      const auto t0 = debug ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+      const detail::CounterSnapshot before = debug ? detail::snapshot(b.counters) : detail::CounterSnapshot{};
+      const int64_t bytes = body(ctx, [&] {
         moving = true;
         st->shapes_known();
       });
       ctx.release_lanes();
+      if (debug)
+        EPCOMM_LOG(debug, -1, ctx.prefix(), detail::describe_path(before, detail::snapshot(b.counters)), "; ",
+                   detail::bytes_str(bytes), " of outputs; ", detail::elapsed_ms(t0));
       st->complete(nullptr);
     } catch (const Error& e) {
       // Fatal: data was moving, a deadline passed, or a peer's Buffer failed. Errors found before any data
@@ -534,6 +568,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
              verr ? std::string(verr->what()) : std::string(), !a.async_finish || verr.has_value(),
              [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
                engine::run_dispatch(ctx, *in, *out, on_shapes);
+               return payload_bytes(out->recv_x);
              });
   if (verr) {
     st->wait();
@@ -587,6 +622,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
                    verr ? std::string(verr->what()) : std::string(), !a.async_finish || verr.has_value(),
                    [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
                      engine::run_combine(ctx, *in, *out, on_shapes);
+                     return static_cast<int64_t>(out->combined_x.nbytes());
                    });
   if (verr) {
     st->wait();

@@ -51,7 +51,8 @@ struct Buffer::Impl {
   bool stop = false;
 
   void setup_internode(const std::string& pre, size_t extra_bytes);
-  uint8_t* input_area() const;  // this rank's shared combine-input area
+  std::string describe() const;  // the EPCOMM_LOG=info set-up line
+  uint8_t* input_area() const;   // this rank's shared combine-input area
   uint8_t* dispatch_input_area() const;
   void start_comm_thread();
   void stop_comm_thread() noexcept;

@@ -11,7 +11,9 @@
 
 #include "api/distribute_v2_args.h"
 #include "api/moe_context.h"
+#include "api/setup_log.h"
 #include "common/check.h"
+#include "common/log.h"
 #include "engine/distribute_v2.h"
 
 namespace epcomm::moe {
@@ -106,8 +108,11 @@ struct Call {
   template <typename Body>
   void run(Stage& s, Stage* other, Body&& body) {
     try {
+      const bool debug = log::enabled(log::Level::debug);
+      const auto t0 = debug ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
       body(*s.ctx, [&s] { s.moving = true; });
       s.ctx->release_lanes();  // across nodes: this call is over here, the peers' next one may send
+      if (debug) EPCOMM_LOG(debug, -1, s.ctx->prefix(), "done; ", epcomm::detail::elapsed_ms(t0));
     } catch (const Error& e) {
       stage_failed(s, e.what(), e.code());
       if (other) fail_header(*other, e.what());
@@ -122,7 +127,10 @@ struct Call {
 
   void stage_failed(Stage& s, const std::string& msg, ErrorCode code) {
     if (s.moving || code == ErrorCode::Timeout || code == ErrorCode::Internal || s.ctx->saw_peer_failure()) {
-      if (s.group->failed.empty()) s.group->failed = msg;
+      if (s.group->failed.empty()) {
+        s.group->failed = msg;
+        EPCOMM_LOG(error, -1, "the group failed (later calls raise Aborted): ", msg);
+      }
       s.ctx->publish_failure(msg);
     } else {
       s.ctx->release_lanes();  // the group stays usable

@@ -6,8 +6,10 @@
 #include <cstring>
 
 #include "api/internode_setup.h"
+#include "api/setup_log.h"
 #include "common/check.h"
 #include "common/env.h"
+#include "common/log.h"
 
 namespace epcomm::moe {
 namespace {
@@ -16,6 +18,11 @@ constexpr int64_t kDefaultSegmentBytes = 64ll << 20;
 
 void create_context(Group& group, const GroupContextOptions& options) {
   const std::string pre = detail::cat("epcomm[rank ", group.rank(), "] moe group context: ");
+  try {
+    log::level();  // a bad EPCOMM_LOG fails here, not in a call
+  } catch (const Error& e) {
+    EPCOMM_THROW(InvalidUsage, pre, e.what());
+  }
   EPCOMM_CHECK(group.size() <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
                " ranks are supported, got ", group.size());
   const double timeout = options.timeout_s ? *options.timeout_s : env::timeout_s();
@@ -68,6 +75,12 @@ void create_context(Group& group, const GroupContextOptions& options) {
     ctx->transport = make_shm_transport(group.bootstrap(), static_cast<size_t>(bytes), group.next_instance());
   }
   ctx->layout = engine::carve(static_cast<size_t>(bytes), group.size());
+  EPCOMM_LOG(
+      info, group.rank(), "moe group context: ",
+      detail::describe_ranks(group.rank(), node_of, *ctx->transport, ctx->network.get()), "; segment ",
+      detail::bytes_str(bytes),
+      ctx->network ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
+      "; timeout ", timeout, " s");
   group.moe_context() = std::move(ctx);
 }
 

@@ -2,7 +2,8 @@
 #include "epcomm/version.h"
 
 namespace epcomm {
+// EPCOMM_VERSION_STRING is the `project(epcomm VERSION ...)` of CMakeLists.txt, the one place it is written.
 const char* version() {
-  return "0.1.0";
+  return EPCOMM_VERSION_STRING;
 }
 }  // namespace epcomm

@@ -39,6 +39,10 @@ const Knob kKnobs[] = {
      "whether a rank done with its own tokens of a direct combine reduces the last chunks of a slower "
      "rank's tokens: auto (yes, unless the host's ranks exceed twice its cores), 1 (always), 0 (never); "
      "for A/B measurements, results are the same bits either way; docs/design.md"},
+    {"EPCOMM_LOG", "warn",
+     "what epcomm writes to stderr, one line per event prefixed with the rank: error, warn, info (also how "
+     "each Buffer and group context was set up) or debug (also every call: the path it took, bytes, time); "
+     "other values are an error; docs/env.md"},
     {"EPCOMM_ARENA_SETTLE", "1",
      "1: a Buffer with an output reserve passes once over every reserve it may write rows into, through "
      "each of its mappings, when it is created (on some virtual machines the first pass of stores through "

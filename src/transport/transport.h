@@ -38,6 +38,8 @@ class Transport {
   // Whether the ranks on this host outnumber its cores: a rank that waits for a peer is then often waiting
   // for that peer to get a core, so it should sleep rather than start work that keeps the core busy.
   virtual bool oversubscribed() const { return false; }
+  // A short description for EPCOMM_LOG=info: "shm (memfd, spin 20000)", ...
+  virtual std::string describe() const = 0;
 
   // The output arenas (shm, when the Buffer asked for them): this rank's, which its outputs are carved from,
   // and every rank's as mapped here (own included), so that a peer writes rows into their final place.

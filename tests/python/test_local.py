@@ -1,24 +1,12 @@
 """Single-process checks of the Python front: Config, size functions, exception mapping, dtype mapping,
 quantizers, the deep_ep module, a one-rank distribute-v2 round trip, and a one-rank Buffer in both strategies."""
 import pickle
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import epcomm
 from epcomm import _C
-
-
-@pytest.fixture(scope="module")
-def world1():
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 def test_config_forms_and_validation():

@@ -823,18 +823,19 @@ int run_quantizer_bench(const FlagParser& p) {
 int run_bench(int argc, char** argv) {
   if (take_api_flag(argc, argv) == "distribute-v2") return run_bench_v2(argc, argv);
   FlagParser p(
-      "epcomm bench", "epcomm bench [flags]\n       mpirun -n R epcomm bench --bootstrap mpi [flags]",
+      "epcomm bench", "epcomm bench [flags]\n       mpirun -n R epcomm bench [flags]",
       "Times dispatch and combine between ranks on this host; prints one JSON object per line (rank 0,\n"
       "stdout) for each operation, receive order and token count. Progress lines go to stderr. Under\n"
-      "mpirun with --bootstrap mpi it also times the MPI_Alltoallv baseline. With --quantizers it\n"
-      "benchmarks the block quantizers instead.");
+      "mpirun (--bootstrap mpi, the default there) it also times the MPI_Alltoallv baseline. With\n"
+      "--quantizers it benchmarks the block quantizers instead.");
   add_run_flags(p, {2, 4096, 7168, 256, 8, 20, "", true});
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
   p.add("expert-alignment", "A", "1",
         "DispatchArgs::expert_alignment: expert_major blocks padded with PAD rows to a multiple of A");
-  p.add("bootstrap", "local|mpi", "local",
+  p.add("bootstrap", "auto|local|mpi", "auto",
         "local: start --ranks ranks here (--launcher); mpi: this process is one rank of mpirun's world "
-        "(also times the MPI_Alltoallv baseline)");
+        "(also times the MPI_Alltoallv baseline); auto: mpi when an MPI launcher started this process "
+        "(OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_SIZE is set), else local");
   p.add("threads", "N", "0",
         "copy threads per rank: Config::num_threads of dispatch and combine, and the "
         "memcpy limit's threads; 0 = the library default (hardware threads / ranks)");
@@ -864,7 +865,8 @@ int run_bench(int argc, char** argv) {
     return kExitOk;
   }
   if (p.on("quantizers")) return run_quantizer_bench(p);
-  const bool mpi = p.choice("bootstrap", {"local", "mpi"}) == "mpi";
+  const std::string boot = p.choice("bootstrap", {"auto", "local", "mpi"});
+  const bool mpi = boot == "mpi" || (boot == "auto" && mpi_launched_world_size() > 0);
   if (mpi && p.given("launcher"))
     throw UsageError("--launcher: does not apply with --bootstrap mpi (mpirun starts the ranks)");
   BenchOptions o;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 #include "epcomm/error.h"
 #include "epcomm/launch.h"
@@ -133,7 +134,24 @@ int run_this_rank(const std::string& command, std::unique_ptr<Bootstrap> bootstr
   }
 }
 
+int mpi_launched_world_size() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) return std::max(1, std::atoi(v));
+  }
+  return 0;
+}
+
 int run_ranks(const std::string& command, const RunOptions& opts, const RankBody& body) {
+  if (const int world = mpi_launched_world_size(); world > 1)
+    throw UsageError(
+        command + ": this process is one of " + std::to_string(world) +
+        " started by an MPI launcher, but it starts its own ranks (--ranks " + std::to_string(opts.ranks) +
+        "), so every process would run a separate job; run it without "
+        "mpirun" +
+        (command == "epcomm bench"
+             ? std::string(", or with --bootstrap mpi (the default under mpirun when the tool links MPI)")
+             : std::string()));
   RankFn fn = [&](std::unique_ptr<Bootstrap> bootstrap) -> int {
     return run_this_rank(command, std::move(bootstrap), body);
   };

@@ -73,10 +73,16 @@ using RankBody = std::function<int(std::unique_ptr<Bootstrap>)>;
 // run_ranks; returns the rank's exit status.
 int run_this_rank(const std::string& command, std::unique_ptr<Bootstrap> bootstrap, const RankBody& body);
 
-// Runs `body` on opts.ranks local ranks (forked processes or threads). Inside, an epcomm::Error escaping
-// the body becomes exit status 2 for InvalidUsage (printed by rank 0 only, since every rank raises it) and 1
-// otherwise (printed by every rank). The tool's status: 2 if any rank returned 2, else 1 if any rank failed
-// or died, else 0.
+// The world size of the MPI job that started this process (mpirun/mpiexec of Open MPI, MPICH or Intel MPI,
+// srun with PMI or PMIx: OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE... in the environment), or 0 when no
+// MPI launcher started it.
+int mpi_launched_world_size();
+
+// Runs `body` on opts.ranks local ranks (forked processes or threads). Throws UsageError when an MPI
+// launcher started this process as one of several (each would run a separate job of its own). Inside, an
+// epcomm::Error escaping the body becomes exit status 2 for InvalidUsage (printed by rank 0 only, since every
+// rank raises it) and 1 otherwise (printed by every rank). The tool's status: 2 if any rank returned 2, else
+// 1 if any rank failed or died, else 0.
 int run_ranks(const std::string& command, const RunOptions& opts, const RankBody& body);
 
 }  // namespace epcomm::cli

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "common/check.h"
@@ -93,14 +94,25 @@ std::unique_ptr<Bootstrap> make_mpi_bootstrap(std::chrono::milliseconds timeout)
   return std::make_unique<MpiBootstrap>(MPI_COMM_WORLD, timeout);
 }
 
-std::unique_ptr<Bootstrap> make_mpi_bootstrap(const void* mpi_comm, std::chrono::milliseconds timeout) {
-  EPCOMM_CHECK(mpi_comm != nullptr, "make_mpi_bootstrap: mpi_comm must point to an MPI_Comm");
+namespace detail {
+
+std::unique_ptr<Bootstrap> make_mpi_bootstrap_from(const void* comm_bytes, std::size_t comm_size,
+                                                   std::chrono::milliseconds timeout) {
+  EPCOMM_CHECK(comm_bytes != nullptr, "make_mpi_bootstrap: comm: expected an MPI_Comm, got a null pointer");
+  EPCOMM_CHECK(comm_size == sizeof(MPI_Comm), "make_mpi_bootstrap: comm: expected an MPI_Comm of ",
+               sizeof(MPI_Comm), " bytes (the MPI epcomm was built with), got ", comm_size,
+               " bytes: pass the communicator itself, built with the same MPI");
   int initialized = 0;
   MPI_Initialized(&initialized);
   EPCOMM_CHECK(initialized,
                "make_mpi_bootstrap: MPI is not initialized (call MPI_Init first, or use the overload without "
                "a communicator)");
-  return std::make_unique<MpiBootstrap>(*static_cast<const MPI_Comm*>(mpi_comm), timeout);
+  MPI_Comm comm;
+  std::memcpy(&comm, comm_bytes, sizeof comm);
+  EPCOMM_CHECK(comm != MPI_COMM_NULL, "make_mpi_bootstrap: comm: expected a communicator, got MPI_COMM_NULL");
+  return std::make_unique<MpiBootstrap>(comm, timeout);
 }
+
+}  // namespace detail
 
 }  // namespace epcomm

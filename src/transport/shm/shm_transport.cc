@@ -16,6 +16,7 @@
 
 #include "common/check.h"
 #include "common/env.h"
+#include "common/log.h"
 #include "epcomm/bootstrap.h"
 #include "tensor/output_arena.h"
 #include "transport/transport.h"
@@ -60,6 +61,10 @@ class ShmTransport final : public Transport {
   std::shared_ptr<OutputArena> output_arena() const override { return own_arena_; }
   uint8_t* arena(int r) const override { return arenas_[r]; }
   bool oversubscribed() const override { return oversubscribed_; }
+  std::string describe() const override {
+    return detail::cat("shm (", memfd_ ? "memfd" : "named, /dev/shm", ", spin ", spins_,
+                       oversubscribed_ ? ", ranks outnumber cores" : "", ")");
+  }
 
  private:
   ShmHeader* header(int r) const { return reinterpret_cast<ShmHeader*>(maps_[r]); }
@@ -73,6 +78,7 @@ class ShmTransport final : public Transport {
   int rank_, size_;
   int spins_;  // polls before sleeping: a waiter only spins when every rank can have its own core
   bool oversubscribed_ = false;  // the host's ranks outnumber its cores
+  bool memfd_ = true;            // segments are memfds (false: POSIX names in /dev/shm)
   size_t bytes_;
   ArenaRequest arena_req_;
   std::vector<uint8_t*> maps_;
@@ -192,7 +198,14 @@ ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t 
   oversubscribed_ = env::ranks_outnumber_cores(local_ranks);
   const std::string mode = env::shm_mode();
   const bool named = mode == "named" || !attach(bootstrap, instance, /*memfd=*/true, mode == "memfd");
-  if (named) attach(bootstrap, instance, /*memfd=*/false, true);
+  if (named) {
+    if (mode != "named")
+      EPCOMM_LOG(warn, rank_,
+                 "shared memory: a rank could not open a peer's memfd, so every rank uses named "
+                 "segments in /dev/shm (EPCOMM_SHM=named says so up front)");
+    attach(bootstrap, instance, /*memfd=*/false, true);
+  }
+  memfd_ = !named;
 }
 
 bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must) {
