@@ -4,8 +4,14 @@
 # virtual environment .venv (requirements-dev.txt: torch 2.13.0 CPU, numpy, pytest, pybind11, scikit-build-core),
 # which ensure_venv creates with the machine's python3 (3.11) the first time, and again whenever
 # requirements-dev.txt changes. Both steps do nothing when everything is there, so a second run starts at once.
-EPCOMM_PACKAGES="cmake ninja-build g++ libgtest-dev libopenmpi-dev openmpi-bin libucx-dev iproute2 pkg-config"
+EPCOMM_PACKAGES="cmake ninja-build g++ libgtest-dev libopenmpi-dev openmpi-bin libucx-dev iproute2 pkg-config
+  ccache"
 EPCOMM_VENV=${EPCOMM_VENV:-$PWD/.venv}
+# Compiles go through ccache (cache in .cache/ccache, git-ignored), so that the second CMake build of the same
+# sources (package.pip_install's) costs links, not compiles. The cache key leaves out the working directory
+# (both builds use the same absolute source paths), so objects are shared between build directories.
+export CCACHE_DIR=${CCACHE_DIR:-$PWD/.cache/ccache}
+export CCACHE_NOHASHDIR=1
 
 ensure_packages() {
   local missing=()
@@ -44,7 +50,8 @@ build_project() {
   if [ ! -f "$dir/build.ninja" ]; then
     # The scripts install torch, so the Python package is required here (a silent skip would hide its tests).
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=${EPCOMM_BUILD_TYPE:-RelWithDebInfo} \
-      -DEPCOMM_BUILD_PYTHON=${EPCOMM_BUILD_PYTHON:-ON} -DEPCOMM_PYTHON="$EPCOMM_VENV/bin/python" >/dev/null
+      -DEPCOMM_BUILD_PYTHON=${EPCOMM_BUILD_PYTHON:-ON} -DEPCOMM_PYTHON="$EPCOMM_VENV/bin/python" \
+      -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" >/dev/null
   fi
   cmake --build "$dir" -- -j"${EPCOMM_JOBS:-$(nproc)}" "$@"
 }

@@ -194,6 +194,12 @@ class Buffer {
                                    bool async_finish = false, bool allocate_on_comm_stream = false);
   DispatchResult dispatch(const DispatchArgs& args);
   CombineResult combine(const CombineArgs& args);
+  // For callers that check arguments before they can build DispatchArgs / CombineArgs (a language binding):
+  // makes the collective call `op` ("dispatch", "cached_dispatch" or "combine") fail on every rank instead of
+  // leaving this rank one call behind. Takes the call's sequence number, publishes a failed header so that
+  // the peers' same call raises Aborted quoting `message`, and throws Error(code, "<prefix><message>") here.
+  // The Buffer stays usable; the next call pairs with the peers' next call.
+  [[noreturn]] void fail_call(const std::string& op, ErrorCode code, const std::string& message);
   // A [handle.num_rows, hidden] tensor of `dtype` (bf16, f16 or f32) at the start of this rank's shared
   // combine-input area (BufferOptions::num_combine_input_bytes; InvalidUsage when it is too small). Write the
   // expert outputs there and pass it (or its first rows' view) as CombineArgs::x: on one node combine then

@@ -30,6 +30,14 @@ struct PyHandle {
   std::shared_ptr<const Handle> handle;
 };
 
+// An argument the binding could not convert: the call fails on every rank (Buffer::fail_call), GIL released
+// while the failed header is published.
+[[noreturn]] void fail_collectively(PyBuffer& self, const char* op, const Error& e) {
+  Buffer& b = self.get();
+  py::gil_scoped_release nogil;
+  b.fail_call(op, e.code(), e.what());
+}
+
 py::object tensor_or_none(const std::optional<Tensor>& t) {
   if (!t || !t->defined()) return py::none();
   return py::cast(to_torch(*t));
@@ -92,25 +100,29 @@ py::tuple dispatch(
     const std::optional<at::Tensor>& dispatch_wait_recv_cost_stats,
     const std::optional<std::string>& quant_mode, const std::optional<std::string>& receive_order) {
   DispatchArgs a;
-  a.x.data = from_torch(x, x_scales ? "x[0]" : "x", x_dtype);
-  a.x.scales = from_torch(x_scales, "x[1]", scales_dtype);
-  if (handle) a.handle = handle->handle;
-  a.num_tokens_per_rank = from_torch(num_tokens_per_rank, "num_tokens_per_rank");
-  a.num_tokens_per_rdma_rank = from_torch(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank");
-  a.is_token_in_rank = from_torch(is_token_in_rank, "is_token_in_rank");
-  a.num_tokens_per_expert = from_torch(num_tokens_per_expert, "num_tokens_per_expert");
-  a.topk_idx = from_torch(topk_idx, "topk_idx");
-  a.topk_weights = from_torch(topk_weights, "topk_weights");
-  a.dispatch_wait_recv_cost_stats =
-      from_torch(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats");
-  a.expert_alignment = expert_alignment;
-  a.num_worst_tokens = num_worst_tokens;
-  a.config = config;
-  a.previous_event = previous_event;
-  a.async_finish = async_finish;
-  a.allocate_on_comm_stream = allocate_on_comm_stream;
-  if (quant_mode) a.quant_mode = parse_quant_mode(*quant_mode);
-  if (receive_order) a.receive_order = parse_receive_order(*receive_order);
+  try {
+    a.x.data = from_torch(x, x_scales ? "x[0]" : "x", x_dtype);
+    a.x.scales = from_torch(x_scales, "x[1]", scales_dtype);
+    if (handle) a.handle = handle->handle;
+    a.num_tokens_per_rank = from_torch(num_tokens_per_rank, "num_tokens_per_rank");
+    a.num_tokens_per_rdma_rank = from_torch(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank");
+    a.is_token_in_rank = from_torch(is_token_in_rank, "is_token_in_rank");
+    a.num_tokens_per_expert = from_torch(num_tokens_per_expert, "num_tokens_per_expert");
+    a.topk_idx = from_torch(topk_idx, "topk_idx");
+    a.topk_weights = from_torch(topk_weights, "topk_weights");
+    a.dispatch_wait_recv_cost_stats =
+        from_torch(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats");
+    a.expert_alignment = expert_alignment;
+    a.num_worst_tokens = num_worst_tokens;
+    a.config = config;
+    a.previous_event = previous_event;
+    a.async_finish = async_finish;
+    a.allocate_on_comm_stream = allocate_on_comm_stream;
+    if (quant_mode) a.quant_mode = parse_quant_mode(*quant_mode);
+    if (receive_order) a.receive_order = parse_receive_order(*receive_order);
+  } catch (const Error& e) {
+    fail_collectively(self, handle ? "cached_dispatch" : "dispatch", e);
+  }
   DispatchResult r;
   {
     py::gil_scoped_release nogil;
@@ -131,16 +143,20 @@ py::tuple combine(PyBuffer& self, const at::Tensor& x, const std::shared_ptr<PyH
                   std::optional<EventOverlap> previous_event, bool async_finish, bool allocate_on_comm_stream,
                   const std::optional<at::Tensor>& combine_send_cost_stats) {
   CombineArgs a;
-  a.x = from_torch(x, "x");
+  try {
+    a.x = from_torch(x, "x");
+    a.topk_weights = from_torch(topk_weights, "topk_weights");
+    a.bias = from_torch(bias, bias2 ? "bias[0]" : "bias");
+    a.bias2 = from_torch(bias2, "bias[1]");
+    a.combine_send_cost_stats = from_torch(combine_send_cost_stats, "combine_send_cost_stats");
+  } catch (const Error& e) {
+    fail_collectively(self, "combine", e);
+  }
   if (handle) a.handle = handle->handle;
-  a.topk_weights = from_torch(topk_weights, "topk_weights");
-  a.bias = from_torch(bias, bias2 ? "bias[0]" : "bias");
-  a.bias2 = from_torch(bias2, "bias[1]");
   a.config = config;
   a.previous_event = previous_event;
   a.async_finish = async_finish;
   a.allocate_on_comm_stream = allocate_on_comm_stream;
-  a.combine_send_cost_stats = from_torch(combine_send_cost_stats, "combine_send_cost_stats");
   CombineResult r;
   {
     py::gil_scoped_release nogil;
@@ -236,6 +252,13 @@ void bind_buffer(py::module_& m) {
       .def("combine", &combine, py::arg("x"), py::arg("handle"), py::arg("topk_weights"), py::arg("bias"),
            py::arg("bias2"), py::arg("config"), py::arg("previous_event"), py::arg("async_finish"),
            py::arg("allocate_on_comm_stream"), py::arg("combine_send_cost_stats"))
+      .def(
+          "fail_call",
+          [](PyBuffer& b, const std::string& op, const std::string& message) {
+            fail_collectively(b, op.c_str(), Error(ErrorCode::InvalidUsage, message));
+          },
+          py::arg("op"), py::arg("message"),
+          "Fails the collective call `op` on every rank (Buffer::fail_call): raises InvalidUsageError here.")
       .def("destroy",
            [](PyBuffer& b) {
              if (!b.buffer) return;

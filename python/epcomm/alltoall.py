@@ -402,6 +402,13 @@ class AllToAllStrategy:
 
     # ---- dispatch ----------------------------------------------------------------------------------------
 
+    def fail_call(self, op, message):
+        """Fails the collective call `op` ("dispatch", "cached_dispatch" or "combine") on every rank: this rank
+        publishes a failed header (the peers raise AbortedError quoting it) and raises InvalidUsageError."""
+        name = {"dispatch": "dispatch", "cached_dispatch": "dispatch(cached)", "combine": "combine"}[op]
+        self._begin(name)
+        self._exchange({"op": name}, _Failed(InvalidUsageError(self.prefix + message)))
+
     def dispatch(self, a):
         handle = a["handle"]
         cached = handle is not None

@@ -4,6 +4,7 @@ Semantics: the project's spec normal-mode.md (docs/normal-mode.md, docs/python.m
 behind the same methods: the shared-memory engine (default) and, with DEEP_USE_MODE=alltoall, collectives on
 the torch.distributed group (epcomm.alltoall); both give identical results."""
 import atexit
+import operator
 import os
 import warnings
 import weakref
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._dtypes import PLAIN, as_format, byte_view, tuple_formats
-from ._errors import InvalidUsageError
+from ._errors import Error, InvalidUsageError
 from .alltoall import AllToAllHandle, AllToAllStrategy
 from .event import EventOverlap, c_event
 from .group import Group, as_group
@@ -41,6 +42,39 @@ def _destroy_all():
 def _use_mode():
     mode = os.environ.get("DEEP_USE_MODE", "").strip().lower()
     return "alltoall" if mode == "alltoall" else "shm"
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _int_arg(value, name):
+    """An integer argument, checked to fit the C++ int64_t it becomes."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise InvalidUsageError(f"argument: {name}: expected an int, got {type(value).__name__}") from None
+    if not _INT64_MIN <= v <= _INT64_MAX:
+        raise InvalidUsageError(f"argument: {name}: expected a 64-bit integer, got {v}")
+    return v
+
+
+def _tensor_arg(value, name, required=False, tuple_ok=False):
+    """A tensor argument (None allowed unless required)."""
+    if value is None and not required:
+        return None
+    if not isinstance(value, torch.Tensor):
+        what = "a torch.Tensor or a (data, scales) tuple" if tuple_ok else "a torch.Tensor"
+        raise InvalidUsageError(f"argument: {name}: expected {what}{'' if required else ' or None'}, "
+                                f"got {type(value).__name__}")
+    return value
+
+
+def _config_arg(config, default):
+    if config is None:  # Buffer.num_threads may have been assigned directly
+        return default()
+    if not isinstance(config, _C.Config):
+        raise InvalidUsageError(f"argument: config: expected an epcomm.Config or None, got {type(config).__name__}")
+    return config
 
 
 def _check_str(value, name):
@@ -202,39 +236,58 @@ class Buffer:
                  receive_order=None):
         """Collective. Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
         handle, event); recv_x is a tensor, or a (data, scales) tuple for quantized payloads. A cached dispatch
-        (handle given) returns (recv_x, None, None, None, None, event)."""
-        _check_str(quant_mode, "quant_mode")
-        _check_str(receive_order, "receive_order")
-        if isinstance(x, (tuple, list)):
-            if len(x) != 2:
-                raise InvalidUsageError(f"argument: x: expected a tensor or a (data, scales) tuple, got {len(x)} items")
-            data, data_dtype, scales, scales_dtype = tuple_formats(x[0], x[1], quant_mode)
-        else:
-            data, data_dtype = byte_view(x)
-            scales = scales_dtype = None
-        impl_handle = self._handle_impl(handle)
-        prev = c_event(previous_event)
+        (handle given) returns (recv_x, None, None, None, None, event). An argument this rank cannot use fails
+        the call on every rank: InvalidUsageError here, AbortedError quoting it on the peers; the Buffer stays
+        usable."""
+        op = "dispatch" if handle is None else "cached_dispatch"
+
+        def prepare():
+            _check_str(quant_mode, "quant_mode")
+            _check_str(receive_order, "receive_order")
+            if isinstance(x, (tuple, list)):
+                if len(x) != 2:
+                    raise InvalidUsageError(f"argument: x: expected a tensor or a (data, scales) tuple, got "
+                                            f"{len(x)} items")
+                _tensor_arg(x[0], "x[0]", required=True)
+                _tensor_arg(x[1], "x[1]", required=True)
+                data, data_dtype, scales, scales_dtype = tuple_formats(x[0], x[1], quant_mode)
+            else:
+                _tensor_arg(x, "x", required=True, tuple_ok=True)
+                data, data_dtype = byte_view(x)
+                scales = scales_dtype = None
+            for t, name in ((num_tokens_per_rank, "num_tokens_per_rank"),
+                            (num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank"),
+                            (is_token_in_rank, "is_token_in_rank"), (num_tokens_per_expert, "num_tokens_per_expert"),
+                            (topk_idx, "topk_idx"), (topk_weights, "topk_weights"),
+                            (dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")):
+                _tensor_arg(t, name)
+            return dict(data=data, data_dtype=data_dtype, scales=scales, scales_dtype=scales_dtype,
+                        handle=self._handle_impl(handle), prev=c_event(previous_event),
+                        alignment=_int_arg(expert_alignment, "expert_alignment"),
+                        worst=_int_arg(num_worst_tokens, "num_worst_tokens"),
+                        config=_config_arg(config, lambda: self.get_dispatch_config(self.num_ranks)))
+
+        p = self._guarded(op, prepare)
         if isinstance(self._impl, AllToAllStrategy):
-            if prev is not None:
-                prev.wait()
-            args = dict(x=dict(data=data, data_dtype=data_dtype, scales=scales, scales_dtype=scales_dtype,
-                               quant_mode=quant_mode),
-                        handle=impl_handle, num_tokens_per_rank=num_tokens_per_rank,
+            if p["prev"] is not None:
+                p["prev"].wait()
+            args = dict(x=dict(data=p["data"], data_dtype=p["data_dtype"], scales=p["scales"],
+                               scales_dtype=p["scales_dtype"], quant_mode=quant_mode),
+                        handle=p["handle"], num_tokens_per_rank=num_tokens_per_rank,
                         num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-                        expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens), config=config,
+                        expert_alignment=p["alignment"], num_worst_tokens=p["worst"], config=p["config"],
                         dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, quant_mode=quant_mode,
                         receive_order=receive_order)
             r = self._impl.dispatch(args)
             event = None
         else:
-            if config is None:  # Buffer.num_threads may have been assigned directly
-                config = self.get_dispatch_config(self.num_ranks)
-            r = self._impl.dispatch(
-                data, scales, data_dtype, scales_dtype, impl_handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, int(expert_alignment),
-                int(num_worst_tokens), config, prev, bool(async_finish), bool(allocate_on_comm_stream),
-                dispatch_wait_recv_cost_stats, quant_mode, receive_order)
+            r = self._guarded_call(op, self._impl.dispatch,
+                                   p["data"], p["scales"], p["data_dtype"], p["scales_dtype"], p["handle"],
+                                   num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                   num_tokens_per_expert, topk_idx, topk_weights, p["alignment"], p["worst"],
+                                   p["config"], p["prev"], bool(async_finish), bool(allocate_on_comm_stream),
+                                   dispatch_wait_recv_cost_stats, quant_mode, receive_order)
             event = r[8]
         recv_data, data_name, recv_scales, scales_name, recv_idx, recv_w, lst, new_handle = r[:8]
         recv_x = as_format(recv_data, data_name)
@@ -244,18 +297,38 @@ class Buffer:
             new_handle = Handle(new_handle, event)
         return recv_x, recv_idx, recv_w, lst, new_handle, EventOverlap(event)
 
-    def _handle_impl(self, handle):
+    def _guarded(self, op, prepare):
+        """Runs the local checks and conversions of the collective call `op`. Whatever they raise fails the call
+        on every rank (the peers' same call raises AbortedError quoting it), so that no rank falls a call behind
+        its peers and pairs its next call with their previous one."""
+        try:
+            return prepare()
+        except Error as e:
+            message = str(e)
+        except Exception as e:  # a malformed argument Python or torch rejected
+            message = f"argument: {type(e).__name__}: {e}"
+        self._impl.fail_call(op, message)
+
+    def _guarded_call(self, op, fn, *args):
+        """Calls the extension; an argument it cannot convert (TypeError, raised before the call starts) fails
+        the call on every rank as in _guarded."""
+        try:
+            return fn(*args)
+        except TypeError as e:
+            message = f"argument: {str(e).splitlines()[0]}"
+        self._impl.fail_call(op, message)
+
+    def _handle_impl(self, handle, prefix=""):
         if handle is None:
             return None
         if not isinstance(handle, Handle):
-            raise InvalidUsageError(f"epcomm[rank {self.rank}] argument: handle: expected the Handle returned by "
-                                    f"dispatch, got {type(handle).__name__}")
+            raise InvalidUsageError(f"{prefix}argument: handle: expected the Handle returned by dispatch, got "
+                                    f"{type(handle).__name__}")
         impl = handle._impl
         ours = AllToAllHandle if isinstance(self._impl, AllToAllStrategy) else _C.Handle
         if not isinstance(impl, ours):
-            raise InvalidUsageError(f"epcomm[rank {self.rank}] argument: handle: it belongs to another Buffer "
-                                    f"(one using the {'shared-memory' if ours is AllToAllHandle else 'alltoall'} "
-                                    "strategy)")
+            raise InvalidUsageError(f"{prefix}argument: handle: it belongs to another Buffer (one using the "
+                                    f"{'shared-memory' if ours is AllToAllHandle else 'alltoall'} strategy)")
         return impl
 
     def get_combine_input(self, handle, dtype=torch.bfloat16, hidden=0):
@@ -265,7 +338,7 @@ class Buffer:
         origin reads its tokens' rows in place. The memory belongs to the Buffer: every call returns the same
         area, valid until destroy(); do not overwrite it while a combine reading it is in flight. hidden=0:
         the dispatched hidden size. With DEEP_USE_MODE=alltoall this is an ordinary new tensor."""
-        impl = self._handle_impl(handle)
+        impl = self._handle_impl(handle, f"epcomm[rank {self.rank}] get_combine_input: ")
         name = PLAIN.get(dtype)
         if name not in ("bf16", "f16", "f32"):
             raise InvalidUsageError(f"epcomm[rank {self.rank}] get_combine_input: argument: dtype: expected "
@@ -311,33 +384,41 @@ class Buffer:
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
                 allocate_on_comm_stream=False, combine_send_cost_stats=None):
-        """Collective. Returns (combined_x, combined_topk_weights, event)."""
-        if handle is None:
-            raise InvalidUsageError(f"epcomm[rank {self.rank}] combine: argument: handle: required, got None")
-        impl_handle = self._handle_impl(handle)
-        bias0 = bias1 = None
-        if isinstance(bias, (tuple, list)):
-            if len(bias) != 2:
-                raise InvalidUsageError(f"argument: bias: expected a tensor or a 2-tuple, got {len(bias)} items")
-            bias0, bias1 = bias
-            if bias0 is None and bias1 is not None:
-                bias0, bias1 = bias1, None
-        else:
-            bias0 = bias
-        prev = c_event(previous_event)
+        """Collective. Returns (combined_x, combined_topk_weights, event). An argument this rank cannot use
+        fails the call on every rank, as in dispatch."""
+
+        def prepare():
+            if handle is None:
+                raise InvalidUsageError("argument: handle: required, got None")
+            _tensor_arg(x, "x", required=True)
+            for t, name in ((topk_weights, "topk_weights"), (combine_send_cost_stats, "combine_send_cost_stats")):
+                _tensor_arg(t, name)
+            bias0 = bias1 = None
+            if isinstance(bias, (tuple, list)):
+                if len(bias) != 2:
+                    raise InvalidUsageError(f"argument: bias: expected a tensor or a 2-tuple, got {len(bias)} items")
+                bias0, bias1 = bias
+                if bias0 is None and bias1 is not None:
+                    bias0, bias1 = bias1, None
+                _tensor_arg(bias0, "bias[0]")
+                _tensor_arg(bias1, "bias[1]")
+            else:
+                bias0 = _tensor_arg(bias, "bias")
+            return dict(handle=self._handle_impl(handle), bias0=bias0, bias1=bias1, prev=c_event(previous_event),
+                        config=_config_arg(config, lambda: self.get_combine_config(self.num_ranks)))
+
+        p = self._guarded("combine", prepare)
         if isinstance(self._impl, AllToAllStrategy):
-            if prev is not None:
-                prev.wait()
-            biases = [(b, n) for b, n in ((bias0, "bias[0]" if bias1 is not None else "bias"), (bias1, "bias[1]"))
-                      if b is not None]
-            out, w = self._impl.combine(dict(x=x, handle=impl_handle, topk_weights=topk_weights, biases=biases,
-                                             config=config, combine_send_cost_stats=combine_send_cost_stats))
+            if p["prev"] is not None:
+                p["prev"].wait()
+            biases = [(b, n) for b, n in ((p["bias0"], "bias[0]" if p["bias1"] is not None else "bias"),
+                                          (p["bias1"], "bias[1]")) if b is not None]
+            out, w = self._impl.combine(dict(x=x, handle=p["handle"], topk_weights=topk_weights, biases=biases,
+                                             config=p["config"], combine_send_cost_stats=combine_send_cost_stats))
             return out, w, EventOverlap()
-        if config is None:
-            config = self.get_combine_config(self.num_ranks)
-        out, w, event = self._impl.combine(x, impl_handle, topk_weights, bias0, bias1, config, prev,
-                                           bool(async_finish), bool(allocate_on_comm_stream),
-                                           combine_send_cost_stats)
+        out, w, event = self._guarded_call("combine", self._impl.combine, x, p["handle"], topk_weights, p["bias0"],
+                                           p["bias1"], p["config"], p["prev"], bool(async_finish),
+                                           bool(allocate_on_comm_stream), combine_send_cost_stats)
         return out, w, EventOverlap(event)
 
     def __repr__(self):

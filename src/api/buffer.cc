@@ -588,12 +588,39 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   r.recv_topk_idx = out->recv_topk_idx;
   r.recv_topk_weights = out->recv_topk_weights;
   if (!cached) {
-    r.num_recv_tokens_per_expert_list = out->list;
-    if (a.async_finish && early) r.num_recv_tokens_per_expert_list = std::vector<int64_t>{};
+    // With async_finish and outputs allocated up front the communication thread may still be writing
+    // out->list: that result has an empty list (never a copy taken while it is written).
+    if (a.async_finish && early)
+      r.num_recv_tokens_per_expert_list = std::vector<int64_t>{};
+    else
+      r.num_recv_tokens_per_expert_list = out->list;
     r.handle = std::make_shared<const Handle>(out->handle);
   }
   r.event = EventOverlap(st);
   return r;
+}
+
+void Buffer::fail_call(const std::string& op, ErrorCode code, const std::string& message) {
+  Impl& b = *impl_;
+  engine::OpKind kind = engine::OpKind::dispatch;
+  const char* opname = "dispatch";
+  if (op == "cached_dispatch") {
+    kind = engine::OpKind::cached_dispatch;
+    opname = "dispatch(cached)";
+  } else if (op == "combine") {
+    kind = engine::OpKind::combine;
+    opname = "combine";
+  } else {
+    EPCOMM_CHECK(op == "dispatch", "epcomm[rank ", b.rank,
+                 "] fail_call: argument: op: expected dispatch, cached_dispatch or combine, got '", op, "'");
+  }
+  b.check_usable(opname);
+  const uint64_t s = ++b.seq;
+  const Error error(code, b.prefix(opname, s) + message);
+  auto st = launch(b, s, kind, std::nullopt, error.what(), true,
+                   [](engine::OpContext&, const std::function<void()>&) { return int64_t{0}; });
+  st->wait();
+  throw error;
 }
 
 // ---- combine -------------------------------------------------------------------------------------------

@@ -13,8 +13,14 @@ mkdir -p "$work"
 site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
 "$project_python" -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$site/project-venv.pth"
 
+# The main build's compiler and launcher (ccache, when CMake was given one), so that its objects are reused:
+# ccache keys on the compiler command as written.
+launcher=()
+[ -n "${EPCOMM_CXX:-}" ] && launcher+=(-C "cmake.define.CMAKE_CXX_COMPILER=$EPCOMM_CXX")
+[ -n "${EPCOMM_CXX_LAUNCHER:-}" ] && launcher+=(-C "cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=$EPCOMM_CXX_LAUNCHER")
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}  # not nproc + 2: torch's headers are big
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation \
-  -C build-dir="$work/build" "$src" 2>&1 | { grep -v "^WARNING: Location .* is ignored" || true; }
+  -C build-dir="$work/build" "${launcher[@]}" "$src" 2>&1 | { grep -v "^WARNING: Location .* is ignored" || true; }
 
 cd "$work"  # away from the source tree, whose python/ must not be what gets imported
 "$venv/bin/python" - "$site" <<'PY'

@@ -10,7 +10,10 @@ INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16
 
 
 def bits(t):
-    """A tensor's bit pattern (so that NaN payloads, -0 and subnormals compare exactly)."""
+    """A tensor's bit pattern (so that NaN payloads, -0 and subnormals compare exactly); the one-byte formats
+    (float8_*, float4_e2m1fn_x2) as their bytes."""
+    if t.dtype not in INT_OF and t.element_size() == 1:
+        return t.contiguous().view(torch.uint8)
     return t.contiguous().view(INT_OF[t.dtype])
 
 

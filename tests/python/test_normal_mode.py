@@ -65,6 +65,11 @@ def check(cond, what):
         raise AssertionError(f"rank {dist.get_rank()}: {what}")
 
 
+def bytes_of(t):
+    """One-byte formats (fp8, e8m0, fp4x2) as uint8; wider dtypes unchanged."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def check_bits(got, expected, what):
     check(same_bits(got, expected), f"{what}: got {got!r}, expected {expected!r}")
 
@@ -252,12 +257,13 @@ def quant_cases(buf, rank, world, seed):
                                    receive_order=order, quant_mode=mode)
                 data, scales = out[0]
                 ref_d = prob.dispatch(rank, order, payload=lambda s: quant[s][0].view(torch.uint8))
-                ref_s = prob.dispatch(rank, order, payload=lambda s: quant[s][1].reshape(quant[s][0].shape[0], -1))
+                # One-byte scales (float8_e8m0fnu) are compared as their bytes.
+                ref_s = prob.dispatch(rank, order,
+                                      payload=lambda s: bytes_of(quant[s][1]).reshape(quant[s][0].shape[0], -1))
                 check_bits(data.view(torch.uint8), ref_d["x"], f"{label} {order}: data")
                 exp_s = ref_s["x"].reshape(scales.shape) if mode and mode.startswith("mx") else \
                     ref_s["x"].reshape(-1) if qmode == "int8" else ref_s["x"]
-                check_bits(scales.view(torch.uint8) if scales.dtype != torch.float32 else scales, exp_s,
-                           f"{label} {order}: scales")
+                check_bits(bytes_of(scales), exp_s, f"{label} {order}: scales")
                 results[(label, order)] = (data.view(torch.uint8), scales)
                 if mode == "mx_fp8_e5m2":  # the same bytes as a pre-quantized tuple: moved verbatim
                     q = epcomm.quantize(x, mode)
