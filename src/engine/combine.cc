@@ -477,7 +477,8 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   // auto: also when the ranks outnumber the cores, up to two per core. The scheduler shares the cores by
   // time, not by progress: a core can idle while two unfinished ranks take turns on the other. Beyond two
   // per core, a helper descheduled in the middle of a chunk holds its origin up for longer than sharing
-  // gains (docs/performance.md, "Twelfth session"). All R ranks are on this host (direct: one node).
+  // gains (docs/performance.md, "Shared reduction when oversubscribed"). All R ranks are on this host
+  // (direct: one node).
   const int sharing = env::combine_sharing();
   const bool share = R > 1 && (sharing < 0 ? !env::ranks_outnumber_cores(R, 2) : sharing == 1);
   // The table goes in our data area (unused by a direct combine) whenever it fits, offered or not: no
