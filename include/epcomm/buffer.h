@@ -101,10 +101,15 @@ class Handle {
   std::vector<int64_t> num_recv_tokens_per_expert() const;  // aligned list
   std::vector<int64_t> num_recv_pairs_per_expert() const;   // cnt
   std::vector<int64_t> num_recv_rows_per_source() const;    // [R], PAD excluded
-  Tensor recv_src_rank() const;                             // [num_rows] i32, -1 for PAD/tail rows
-  Tensor recv_src_token() const;                            // [num_rows] i32
-  Tensor recv_src_slot() const;                             // [num_rows] i32, all -1 in rank_major
-  uint64_t dispatch_id() const;  // the group-wide sequence number of the dispatch that made it
+  // [R * R], row-major (source s, receiver d): the rows rank d received from rank s in this dispatch, PAD
+  // excluded; equal on every rank (the receive plans every rank computes from the exchanged counts).
+  std::vector<int64_t> num_rows_per_source_and_receiver() const;
+  // [T * R] 0/1: whether own token t was sent to rank d (the layout's is_token_in_rank).
+  std::vector<uint8_t> is_token_in_rank() const;
+  Tensor recv_src_rank() const;   // [num_rows] i32, -1 for PAD/tail rows
+  Tensor recv_src_token() const;  // [num_rows] i32
+  Tensor recv_src_slot() const;   // [num_rows] i32, all -1 in rank_major
+  uint64_t dispatch_id() const;   // the group-wide sequence number of the dispatch that made it
   const Impl& impl() const { return *impl_; }
 
  private:

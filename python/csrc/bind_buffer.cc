@@ -2,6 +2,8 @@
 // may wait for peers or for the communication thread runs with the GIL released.
 #include <pybind11/stl.h>
 
+#include <cmath>
+
 #include "bindings.h"
 #include "epcomm/buffer.h"
 #include "torch_bridge.h"
@@ -188,7 +190,23 @@ void bind_handle(py::module_& m) {
       .def_property_readonly("recv_src_rank", tensor_of(&Handle::recv_src_rank))
       .def_property_readonly("recv_src_token", tensor_of(&Handle::recv_src_token))
       .def_property_readonly("recv_src_slot", tensor_of(&Handle::recv_src_slot))
-      .def_property_readonly("dispatch_id", [](const H& h) { return h.handle->dispatch_id(); });
+      .def_property_readonly("dispatch_id", [](const H& h) { return h.handle->dispatch_id(); })
+      .def_property_readonly("num_rows_per_source_and_receiver",
+                             [](const H& h) {
+                               const std::vector<int64_t> m = h.handle->num_rows_per_source_and_receiver();
+                               const auto R = static_cast<int64_t>(std::llround(std::sqrt(double(m.size()))));
+                               at::Tensor t = at::empty({R, R}, at::kLong);
+                               std::copy(m.begin(), m.end(), t.data_ptr<int64_t>());
+                               return t;
+                             })
+      .def_property_readonly("is_token_in_rank", [](const H& h) {
+        const std::vector<uint8_t> v = h.handle->is_token_in_rank();
+        const int64_t T = h.handle->num_tokens();
+        const auto R = static_cast<int64_t>(h.handle->num_recv_rows_per_source().size());
+        at::Tensor t = at::empty({T, R}, at::kBool);
+        std::copy(v.begin(), v.end(), reinterpret_cast<uint8_t*>(t.data_ptr()));
+        return t;
+      });
 }
 
 }  // namespace

@@ -516,7 +516,9 @@ class AllToAllStrategy:
             pairs = per_expert.to(torch.int64)
         else:
             if order != "rank_major":
-                _arg("receive_order = expert_major requires topk_idx and topk_weights (got None)")
+                _arg("receive_order = expert_major requires topk_idx and topk_weights (got None); DeepEP's contract "
+                     "without top-k is receive_order = rank_major: pass receive_order=\"rank_major\", or in Python create "
+                     "the Buffer with flavor=\"deepep\" (or set EPCOMM_FLAVOR=deepep)")
             itr = a["is_token_in_rank"]
             if itr is None:
                 _arg("is_token_in_rank: required without topk_idx, got None")
@@ -667,7 +669,11 @@ class AllToAllStrategy:
             num_recv_rows_per_source=rows_per_source, recv_src_rank=src[0].clone(), recv_src_token=src[1].clone(),
             recv_src_slot=src[2].clone(), dispatch_id=self.seq, expert_alignment=align,
             num_worst_tokens=a["num_worst_tokens"], has_topk=K > 0, V=V, weights=w, in_rank=in_rank, hidden=f.hidden,
-            send_t=send_t, send_k=send_k, send_splits=send_splits, recv_splits=recv_splits, recv_pos=recv_pos)
+            send_t=send_t, send_k=send_k, send_splits=send_splits, recv_splits=recv_splits, recv_pos=recv_pos,
+            num_rows_per_source_and_receiver=torch.tensor(
+                [[sum(pairs[s][d * L: (d + 1) * L]) if order == "expert_major" else tokens[s][d] for d in range(R)]
+                 for s in range(R)], dtype=torch.int64).reshape(R, R),
+            is_token_in_rank=in_rank)
         self._add_stats(a["dispatch_wait_recv_cost_stats"], start)
         out_list = [] if a["num_worst_tokens"] > 0 else list(lst)
         return data, data_name, scales, scale_name, recv_idx, recv_w, out_list, handle

@@ -18,6 +18,8 @@ from ._errors import Error, InvalidUsageError
 from .alltoall import AllToAllHandle, AllToAllStrategy
 from .event import EventOverlap, c_event
 from .group import Group, as_group
+from .compat import (apply_token_nums_type, default_receive_order, fold_expert_counts, long_seq_rounds,
+                     per_round_expert_counts, resolve_flavor)
 from .handle import Handle
 
 Config = _C.Config
@@ -95,17 +97,25 @@ class Buffer:
 
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
-                 explicitly_destroy=False, enable_shrink=False, comm=None, *, receive_order="expert_major",
+                 explicitly_destroy=False, enable_shrink=False, comm=None, *, flavor=None, receive_order=None,
                  ranks_per_node=0, timeout_s=None, num_combine_input_bytes=0, num_dispatch_input_bytes=0,
-                 num_output_reserve_bytes=0, **deepep_compat):
+                 num_output_reserve_bytes=0, normal_strategy=None, low_latency_strategy=None, **deepep_compat):
         if deepep_compat:
             warnings.warn(f"epcomm.Buffer: ignoring unknown arguments {sorted(deepep_compat)}", stacklevel=2)
+        self.flavor = resolve_flavor(flavor)
         _check_str(receive_order, "receive_order")
+        if receive_order is None:
+            receive_order = default_receive_order(self.flavor)
+        _check_str(normal_strategy, "normal_strategy")
+        if normal_strategy not in (None, "default", "alltoall"):
+            raise InvalidUsageError(f"Buffer: argument: normal_strategy: expected 'default', 'alltoall' or None, "
+                                    f"got {normal_strategy!r}")
+        _check_str(low_latency_strategy, "low_latency_strategy")  # the Ascend port's; no effect here
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.mode = _use_mode()
+        self.mode = "alltoall" if normal_strategy == "alltoall" else _use_mode()
         self._destroyed = False
         if self.mode == "alltoall":
             pg = group.process_group if isinstance(group, Group) else (group if group is not None else dist.group.WORLD)
@@ -197,7 +207,8 @@ class Buffer:
 
     @staticmethod
     def is_sm90_compiled():
-        return False
+        """DeepEP's switch for its FP8 (SM90) paths: epcomm has them on every CPU, so True."""
+        return True
 
     @staticmethod
     def get_low_latency_rdma_size_hint(*args, **kwargs):
@@ -222,10 +233,19 @@ class Buffer:
         if isinstance(self._impl, AllToAllStrategy):
             if prev is not None:
                 prev.wait()
-            return (*self._impl.get_dispatch_layout(topk_idx, int(num_experts)), EventOverlap())
-        per_rank, per_rdma, per_expert, in_rank, event = self._impl.get_dispatch_layout(
-            topk_idx, int(num_experts), prev, bool(async_finish), bool(allocate_on_comm_stream))
-        return per_rank, per_rdma, per_expert, in_rank, EventOverlap(event)
+            per_rank, per_rdma, per_expert, in_rank = self._impl.get_dispatch_layout(topk_idx, int(num_experts))
+            event = EventOverlap()
+        else:
+            per_rank, per_rdma, per_expert, in_rank, event = self._impl.get_dispatch_layout(
+                topk_idx, int(num_experts), prev, bool(async_finish), bool(allocate_on_comm_stream))
+            event = EventOverlap(event)
+        if self.flavor == "ascend":  # the Ascend port's layout: i32 membership, per-round expert counts
+            event.wait()
+            in_rank = in_rank.to(torch.int32)
+            n, P = long_seq_rounds(int(topk_idx.shape[0]))
+            if n > 1:
+                per_expert = per_round_expert_counts(topk_idx, int(num_experts), n, P)
+        return per_rank, per_rdma, per_expert, in_rank, event
 
     # ---- dispatch ------------------------------------------------------------------------------------------
 
@@ -255,13 +275,14 @@ class Buffer:
                 _tensor_arg(x, "x", required=True, tuple_ok=True)
                 data, data_dtype = byte_view(x)
                 scales = scales_dtype = None
+            counts = fold_expert_counts(_tensor_arg(num_tokens_per_expert, "num_tokens_per_expert"))
             for t, name in ((num_tokens_per_rank, "num_tokens_per_rank"),
                             (num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank"),
                             (is_token_in_rank, "is_token_in_rank"), (num_tokens_per_expert, "num_tokens_per_expert"),
                             (topk_idx, "topk_idx"), (topk_weights, "topk_weights"),
                             (dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")):
                 _tensor_arg(t, name)
-            return dict(data=data, data_dtype=data_dtype, scales=scales, scales_dtype=scales_dtype,
+            return dict(data=data, data_dtype=data_dtype, scales=scales, scales_dtype=scales_dtype, counts=counts,
                         handle=self._handle_impl(handle), prev=c_event(previous_event),
                         alignment=_int_arg(expert_alignment, "expert_alignment"),
                         worst=_int_arg(num_worst_tokens, "num_worst_tokens"),
@@ -275,7 +296,7 @@ class Buffer:
                                scales_dtype=p["scales_dtype"], quant_mode=quant_mode),
                         handle=p["handle"], num_tokens_per_rank=num_tokens_per_rank,
                         num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
-                        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                        num_tokens_per_expert=p["counts"], topk_idx=topk_idx, topk_weights=topk_weights,
                         expert_alignment=p["alignment"], num_worst_tokens=p["worst"], config=p["config"],
                         dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, quant_mode=quant_mode,
                         receive_order=receive_order)
@@ -285,7 +306,7 @@ class Buffer:
             r = self._guarded_call(op, self._impl.dispatch,
                                    p["data"], p["scales"], p["data_dtype"], p["scales_dtype"], p["handle"],
                                    num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                   num_tokens_per_expert, topk_idx, topk_weights, p["alignment"], p["worst"],
+                                   p["counts"], topk_idx, topk_weights, p["alignment"], p["worst"],
                                    p["config"], p["prev"], bool(async_finish), bool(allocate_on_comm_stream),
                                    dispatch_wait_recv_cost_stats, quant_mode, receive_order)
             event = r[8]
@@ -294,7 +315,11 @@ class Buffer:
         if recv_scales is not None:
             recv_x = (recv_x, as_format(recv_scales, scales_name))
         if new_handle is not None:
-            new_handle = Handle(new_handle, event)
+            new_handle = Handle(new_handle, event, flavor=self.flavor, topk_idx=topk_idx, topk_weights=topk_weights,
+                                rank=self.rank, node_of=[self.node_of(r) for r in range(self.num_ranks)],
+                                alltoall=isinstance(self._impl, AllToAllStrategy), recv_topk_weights=recv_w)
+        if self.flavor == "ascend":
+            lst = apply_token_nums_type(lst)
         return recv_x, recv_idx, recv_w, lst, new_handle, EventOverlap(event)
 
     def _guarded(self, op, prepare):
@@ -422,5 +447,5 @@ class Buffer:
         return out, w, EventOverlap(event)
 
     def __repr__(self):
-        return (f"epcomm.Buffer(rank={self.rank}, num_ranks={self.num_ranks}, mode={self.mode!r}, "
-                f"receive_order={self.receive_order!r})")
+        return (f"epcomm.Buffer(rank={self.rank}, num_ranks={self.num_ranks}, flavor={self.flavor!r}, "
+                f"mode={self.mode!r}, receive_order={self.receive_order!r})")

@@ -1,21 +1,226 @@
-"""Handle: what dispatch returns for combine and cached re-dispatch (spec §4.8).
+"""Handle: what dispatch returns for combine and cached re-dispatch (spec normal-mode.md §4.8, compat.md §2).
 
-Tuple-like so that code typed against DeepEP's positional handle keeps working: its items are
-(recv_src_rank, recv_src_token, recv_src_slot), but callers must not rely on positions; read the accessors.
-Immutable; tied to the Buffer that made it."""
+A Handle is tuple-like with the positional items of the peer its Buffer's flavor follows (docs/python.md,
+"Positional handle items"): DeepEP's 6 items on one node and 10 across nodes (flavor "deepep"), the Ascend
+port's 8 and 9 (flavor "ascend"). Items are computed from epcomm's routing when first read. String keys give
+the dispatch's "topk_idx" and "topk_weights" in every layout, and with DEEP_USE_MODE=alltoall the keys of
+the Ascend port's dict handle. The named accessors are the same in every layout. Immutable; tied to the Buffer
+that made it; pass it back as it is (a tuple rebuilt from its items is rejected)."""
+import operator
+
+import torch
+
+from ._errors import InvalidUsageError
+
+# Positional layouts: (flavor, several nodes) -> item names, in the peer's order.
+LAYOUTS = {
+    ("deepep", False): ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                        "recv_src_idx", "is_token_in_rank", "send_head"),
+    ("deepep", True): ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                       "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum",
+                       "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum", "recv_src_meta",
+                       "send_rdma_head", "send_nvl_head"),
+    ("ascend", False): ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                        "recv_src_idx", "is_token_in_rank", "send_head", "topk_idx", "topk_weights"),
+    ("ascend", True): ("recv_src_idx", "is_token_in_rank", "send_head", "topk_idx", "topk_weights",
+                       "offset_inner", "offset_outer", "count_outer", "expand_scales"),
+}
+# Items whose peer content is computed on the GPU by the forwarding rank of a node; epcomm's two-hop
+# protocol keeps no such state where the item would have to be built, so reading them raises.
+_UNAVAILABLE = {"recv_rdma_channel_prefix_matrix", "recv_src_meta", "send_rdma_head", "send_nvl_head",
+                "offset_inner", "offset_outer", "count_outer"}
+# The Ascend port's alltoall handle is a dict; these are its keys that epcomm's handle answers.
+ALLTOALL_KEYS = ("input_splits", "output_splits", "topk_idx", "topk_weights", "num_local_experts",
+                 "hidden_shape")
 
 
 class Handle(tuple):
-    def __new__(cls, impl, event=None):
-        self = super().__new__(cls, (impl.recv_src_rank, impl.recv_src_token, impl.recv_src_slot))
+    def __new__(cls, impl, event=None, flavor="ascend", topk_idx=None, topk_weights=None, rank=0,
+                node_of=None, alltoall=False, recv_topk_weights=None):
+        self = super().__new__(cls, ())
         self._impl = impl
         self._event = event  # the dispatch's event: counts are final once it completed
+        self._flavor = flavor
+        self._topk = (topk_idx, topk_weights)
+        self._recv_topk_weights = recv_topk_weights
+        self._rank = rank
+        self._node_of = list(node_of) if node_of is not None else [0] * len(impl.num_recv_rows_per_source)
+        self._alltoall = alltoall
+        self._layout = LAYOUTS[(flavor, max(self._node_of) > 0)]
+        self._items = {}
         return self
 
     def _done(self):
         if self._event is not None:
             self._event.wait()
         return self._impl
+
+    # ---- tuple protocol ----------------------------------------------------------------------------------
+
+    def __len__(self):
+        return len(self._layout)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self._by_key(key)
+        if isinstance(key, slice):
+            return tuple(self[i] for i in range(*key.indices(len(self))))
+        i = operator.index(key)
+        n = len(self._layout)
+        if i < -n or i >= n:
+            raise IndexError(f"handle index {i} out of range: this {self._flavor} handle has {n} items "
+                             f"({', '.join(self._layout)})")
+        return self.item(self._layout[i])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __contains__(self, value):
+        return any(v is value for v in self)
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+    __hash__ = object.__hash__
+
+    def _by_key(self, key):
+        if key in ("topk_idx", "topk_weights"):
+            return self.item(key)
+        if self._alltoall and key in ALLTOALL_KEYS:
+            return self.item(key)
+        keys = ALLTOALL_KEYS if self._alltoall else ("topk_idx", "topk_weights")
+        raise KeyError(f"handle[{key!r}]: this handle's string keys are {', '.join(repr(k) for k in keys)}")
+
+    @property
+    def item_names(self):
+        """The names of the positional items, in order (docs/python.md)."""
+        return self._layout
+
+    def item(self, name):
+        """A positional item by its name (computed once, when first read)."""
+        if name not in self._items:
+            if name in _UNAVAILABLE:
+                raise InvalidUsageError(
+                    f"handle item {name!r}: its peer computes it on the GPU of a node's forwarding rank; "
+                    "epcomm's internode protocol keeps no such state, so it has no value (docs/python.md, "
+                    "\"Positional handle items\")")
+            self._items[name] = getattr(self, "_item_" + name)()
+        return self._items[name]
+
+    # ---- positional items (compat.md §2; one channel) -----------------------------------------------------
+
+    def _rows(self):
+        """[R, R] int64: rows receiver d got from source s at [s, d], PAD excluded."""
+        return self._done().num_rows_per_source_and_receiver
+
+    def _in_rank(self):
+        return self._done().is_token_in_rank.bool()
+
+    def _item_rank_prefix_matrix(self):
+        return self._rows().cumsum(0).to(torch.int32)
+
+    def _item_channel_prefix_matrix(self):
+        return self._rows()[self._rank].reshape(-1, 1).to(torch.int32)
+
+    def _item_recv_channel_prefix_matrix(self):
+        return torch.zeros(len(self._node_of), 1, dtype=torch.int32)
+
+    def _item_recv_src_idx(self):
+        return self.recv_src_token
+
+    def _item_is_token_in_rank(self):
+        t = self._in_rank()
+        return t if self._flavor == "deepep" else t.to(torch.int32)
+
+    def _item_send_head(self):
+        """[T, R] i32: own token t's first row among the rows rank d receives from this rank, -1 if not sent."""
+        in_rank = self._in_rank()
+        if self.receive_order == "rank_major" or self._topk[0] is None:
+            before = torch.cumsum(in_rank.to(torch.int32), 0) - 1
+            return torch.where(in_rank, before, torch.full_like(before, -1)).to(torch.int32)
+        return self._expert_major_send_head(in_rank)
+
+    def _expert_major_send_head(self, in_rank):
+        # Rows from this rank at d: its (token, expert) pairs for d's experts, by expert, then by token.
+        ids = self._topk[0].to(torch.int64)
+        T, R = in_rank.shape
+        E = self.num_experts
+        pos = torch.full((T, R), -1, dtype=torch.int64)
+        if T == 0 or E == 0:
+            return pos.to(torch.int32)
+        onehot = torch.zeros(T, E, dtype=torch.int64)
+        valid = ids >= 0
+        onehot[torch.arange(T).unsqueeze(1).expand_as(ids)[valid], ids[valid]] = 1
+        L = E // R
+        per_expert = onehot.sum(0)
+        block = per_expert.reshape(R, L)
+        start = torch.cat([torch.zeros(R, 1, dtype=torch.int64), block.cumsum(1)[:, :-1]], 1).reshape(E)
+        row = start.unsqueeze(0) + onehot.cumsum(0) - 1  # [T, E]: position of (t, e) among d's rows from us
+        row = torch.where(onehot > 0, row, torch.full_like(row, 1 << 62)).reshape(T, R, L).amin(2)
+        return torch.where(in_rank, row, pos).to(torch.int32)
+
+    def _item_topk_idx(self):
+        return self._topk[0]
+
+    def _item_topk_weights(self):
+        return self._topk[1]
+
+    def _per_node(self, per_rank):
+        nodes = max(self._node_of) + 1
+        out = torch.zeros(nodes, dtype=torch.int64)
+        out.index_add_(0, torch.tensor(self._node_of), per_rank.to(torch.int64))
+        return out
+
+    def _item_rdma_channel_prefix_matrix(self):
+        """[M, 1] i32: own tokens sent to node m (one token crosses to a node once)."""
+        in_rank = self._in_rank()
+        nodes = max(self._node_of) + 1
+        node = torch.tensor(self._node_of)
+        sent = [int(in_rank[:, node == m].any(1).sum()) for m in range(nodes)]
+        return torch.tensor(sent, dtype=torch.int32).reshape(nodes, 1)
+
+    def _item_gbl_channel_prefix_matrix(self):
+        return self._item_channel_prefix_matrix()
+
+    def _item_recv_rdma_rank_prefix_sum(self):
+        return self._per_node(torch.tensor(self.num_recv_rows_per_source)).cumsum(0).to(torch.int32)
+
+    def _item_recv_gbl_channel_prefix_matrix(self):
+        return self._item_recv_channel_prefix_matrix()
+
+    def _item_recv_gbl_rank_prefix_sum(self):
+        return torch.tensor(self.num_recv_rows_per_source, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+    def _item_expand_scales(self):
+        """[num_rows] f32: the top-k weight of each received row (expert_major), 0 for PAD rows."""
+        w = self._recv_topk_weights
+        if w is None or w.dim() != 1:
+            raise InvalidUsageError("handle item 'expand_scales': needs an expert_major dispatch with topk_weights "
+                                    "(one weight per received row)")
+        return w
+
+    # alltoall keys (the Ascend port's dict handle)
+    def _item_input_splits(self):
+        return list(self._done().send_splits)
+
+    def _item_output_splits(self):
+        return list(self._done().recv_splits)
+
+    def _item_num_local_experts(self):
+        return self.num_experts // len(self._node_of)
+
+    def _item_hidden_shape(self):
+        return [self.num_tokens, self._done().hidden]
+
+    # ---- named accessors (normal-mode.md §4.8) ------------------------------------------------------------
+
+    @property
+    def flavor(self):
+        """"ascend" or "deepep": whose positional layout this handle has."""
+        return self._flavor
 
     @property
     def receive_order(self):
@@ -63,17 +268,17 @@ class Handle(tuple):
     @property
     def recv_src_rank(self):
         """[num_rows] int32: source rank of each row, -1 for PAD and tail rows."""
-        return self[0]
+        return self._done().recv_src_rank
 
     @property
     def recv_src_token(self):
         """[num_rows] int32: source token index of each row, -1 for PAD and tail rows."""
-        return self[1]
+        return self._done().recv_src_token
 
     @property
     def recv_src_slot(self):
         """[num_rows] int32: top-k slot of each row (expert_major), all -1 in rank_major."""
-        return self[2]
+        return self._done().recv_src_slot
 
     @property
     def dispatch_id(self):
@@ -82,8 +287,9 @@ class Handle(tuple):
 
     def __repr__(self):
         return (
-            f"epcomm.Handle(receive_order={self.receive_order!r}, num_tokens={self.num_tokens}, "
-            f"num_topk={self.num_topk}, num_experts={self.num_experts}, dispatch_id={self.dispatch_id})"
+            f"epcomm.Handle(flavor={self._flavor!r}, receive_order={self.receive_order!r}, "
+            f"num_tokens={self.num_tokens}, num_topk={self.num_topk}, num_experts={self.num_experts}, "
+            f"dispatch_id={self.dispatch_id}, items={len(self)})"
         )
 
     def __reduce__(self):

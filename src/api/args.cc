@@ -354,8 +354,11 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     in.tokens_per_rank = lay.num_tokens_per_rank;
     in.in_rank = std::move(lay.is_token_in_rank);
   } else {
-    EPCOMM_CHECK(order == ReceiveOrder::rank_major,
-                 "argument: receive_order = expert_major requires topk_idx and topk_weights (got None)");
+    EPCOMM_CHECK(
+        order == ReceiveOrder::rank_major,
+        "argument: receive_order = expert_major requires topk_idx and topk_weights (got None); DeepEP's "
+        "contract without top-k is receive_order = rank_major: pass receive_order=\"rank_major\", or in "
+        "Python create the Buffer with flavor=\"deepep\" (or set EPCOMM_FLAVOR=deepep)");
     EPCOMM_CHECK(a.is_token_in_rank.has_value(),
                  "argument: is_token_in_rank: required without topk_idx, got None");
     const Tensor& itr = *a.is_token_in_rank;

@@ -30,6 +30,12 @@ std::vector<int64_t> Handle::num_recv_pairs_per_expert() const {
 std::vector<int64_t> Handle::num_recv_rows_per_source() const {
   return impl_->rows_per_source;
 }
+std::vector<int64_t> Handle::num_rows_per_source_and_receiver() const {
+  return impl_->rows_matrix;
+}
+std::vector<uint8_t> Handle::is_token_in_rank() const {
+  return impl_->in_rank;
+}
 Tensor Handle::recv_src_rank() const {
   return impl_->recv_src_rank;
 }

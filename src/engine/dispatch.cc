@@ -362,6 +362,7 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
   const int L = in.num_experts / R;
   routing::ExpertMap map{in.num_experts, R, L};
   routing::ReceivePlan plan;
+  std::vector<int64_t> rows_matrix;  // every receiver's rows per source (the handle keeps it)
   std::vector<std::vector<int64_t>> push_start(push ? R : 0);  // receiver d's first row of each of our runs
   int64_t host_rows = in.cached ? hd->host_recv_rows : 0;      // rows all receivers get together
   if (!in.cached) {
@@ -370,8 +371,10 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
       pairs[s] = ctx.counts(s);
       toks[s] = ctx.counts(s) + in.num_experts;
     }
+    rows_matrix.assign(static_cast<size_t>(R) * R, 0);
     for (int d = 0; d < R; ++d) {
       routing::ReceivePlan p = routing::plan_receive(d, in.order, map, in.expert_alignment, pairs, toks);
+      for (int s = 0; s < R; ++s) rows_matrix[static_cast<size_t>(s) * R + d] = p.rows_per_source[s];
       int64_t worst = ctx.header(d)->num_worst_tokens;
       if (worst > 0 && p.num_recv_rows > worst)
         EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: receiving rank ", d,
@@ -495,6 +498,7 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
     nh->list = plan.list;
     nh->cnt = plan.cnt;
     nh->rows_per_source = plan.rows_per_source;
+    nh->rows_matrix = std::move(rows_matrix);
   }
   on_shapes();
 

@@ -35,6 +35,8 @@ struct Handle::Impl {
 
   // Received rows.
   std::vector<int64_t> list, cnt, rows_per_source;
+  std::vector<int64_t>
+      rows_matrix;  // [R * R]: rows receiver d got from source s at [s * R + d], PAD excluded
   Tensor recv_src_rank, recv_src_token, recv_src_slot;  // [num_rows] i32
   // Rows grouped by source rank (CSR), each group ordered by (source token, slot).
   std::vector<int64_t> source_offsets;  // [R + 1]

@@ -25,7 +25,7 @@ def _body(rank, world):
     per_rdma = two.get_dispatch_layout(ids, E)[1]
     assert per_rdma is not None and per_rdma.shape == (world // 2,), per_rdma
     for order in ("expert_major", "rank_major"):
-        outs = []
+        outs, handles = [], []
         for buf in (one, two):
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
             recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
@@ -33,12 +33,24 @@ def _body(rank, world):
                 topk_idx=ids, topk_weights=ws, receive_order=order)
             cx, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w if order == "rank_major" else None)
             outs.append((recv_x, recv_idx, recv_w, lst, handle.recv_src_rank, handle.recv_src_token, cx, cw))
+            handles.append(handle)
         a, b = outs
         for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
             assert torch.equal(a[i].view(torch.uint8) if a[i].dtype == torch.bfloat16 else a[i],
                                b[i].view(torch.uint8) if b[i].dtype == torch.bfloat16 else b[i]), (order, name)
         assert a[3] == b[3], (order, "list")
         assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5]), (order, "handle sources")
+        # The positional layouts across nodes (compat.md §2): items computed from the routing agree with the
+        # one-node handle's; the forwarder-only items say they have no value.
+        h1, h2 = handles
+        assert len(h1) == 8 and len(h2) == 9 and h2.item_names[3:5] == ("topk_idx", "topk_weights")
+        assert h2[3] is ids and h2[4] is ws and torch.equal(h2[1], h1[4]) and torch.equal(h2[2], h1[5])
+        assert torch.equal(h2[0], h1[3])
+        with pytest.raises(epcomm.InvalidUsageError, match="forwarding rank"):
+            h2[5]
+        gbl = torch.tensor(h1.num_recv_rows_per_source).cumsum(0).to(torch.int32)
+        assert torch.equal(h2.item("recv_gbl_rank_prefix_sum"), gbl)
+        assert torch.equal(h1[0][:, rank], gbl), "rank_prefix_matrix column vs the rows received per source"
         if order == "rank_major":
             assert torch.equal(a[6].view(torch.uint8), b[6].view(torch.uint8)), "rank_major combine differs"
             assert torch.equal(a[7], b[7]), "rank_major combined weights differ"
@@ -46,6 +58,20 @@ def _body(rank, world):
             assert torch.allclose(a[6].float(), b[6].float(), rtol=1e-2, atol=1e-2), "expert_major combine"
     two.destroy()
     one.destroy()
+    # DeepEP's 10-item layout across nodes: its tests read handle[-4], the prefix over sources.
+    deep = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_rdma_bytes=16 << 20, ranks_per_node=2,
+                         flavor="deepep")
+    per_rank, _, per_expert, in_rank, _ = deep.get_dispatch_layout(ids, E)
+    assert in_rank.dtype == torch.bool
+    recv_x, _, _, _, h, _ = deep.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                          num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=ws)
+    assert len(h) == 10 and h.receive_order == "rank_major"
+    assert torch.equal(h[-4], torch.tensor(h.num_recv_rows_per_source).cumsum(0).to(torch.int32))
+    assert int(h[-4][-1]) == recv_x.shape[0]
+    assert torch.equal(h[0], in_rank)
+    node = torch.arange(world) // 2
+    assert h[1].reshape(-1).tolist() == [int(in_rank[:, node == m].any(1).sum()) for m in range(world // 2)]
+    deep.destroy()
 
 
 @pytest.mark.parametrize("world", [4])
