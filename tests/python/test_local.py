@@ -174,3 +174,28 @@ def test_one_rank_buffer(world1, mode, monkeypatch):
 def test_low_latency_mode_is_not_supported(world1):
     with pytest.raises(epcomm.InvalidUsageError, match="low_latency_mode=True is not supported"):
         epcomm.Buffer(world1, 0, 0, True)
+
+
+def _rss_shmem_kb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_large_segment_costs_memory_only_where_used(world1):
+    # DeepEP's scripts ask for num_nvl_bytes=int(2e9) per rank: only the first 256 MiB are reserved and
+    # written through at creation; the rest gets pages where rows are written.
+    before = _rss_shmem_kb()
+    buf = epcomm.Buffer(world1, num_nvl_bytes=int(2e9))
+    grown = _rss_shmem_kb() - before
+    assert grown < 400 * 1024, f"a 2e9-byte segment made RssShmem grow by {grown} kB"
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    idx = torch.stack([torch.arange(64) % 4, (torch.arange(64) + 1) % 4], dim=1)
+    w = torch.full((64, 2), 0.5)
+    _, _, per_expert, _, _ = buf.get_dispatch_layout(idx, 4)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
+    y, _, _ = buf.combine(recv_x, handle)
+    assert torch.equal(y, x)
+    buf.destroy()

@@ -96,6 +96,13 @@ size_t arena_file_offset(size_t segment_total) {
 // Maps the page tables of the first kPeerHotBytes of a peer's segment now (the pages exist: their owner
 // wrote them through), so that the first call does not take those minor faults one by one.
 constexpr size_t kPeerHotBytes = size_t{16} << 20;
+// A segment is reserved and written through up to kEagerSegmentBytes when it is created (all of the default
+// 64 MiB one), so that no call pays first-touch faults there. Beyond that a memfd segment is address space
+// whose pages come when the engine first writes them (they read as zeros): a large num_nvl_bytes, such as
+// the 2e9 per rank DeepEP's scripts pass, then costs memory only where rows go instead of everywhere at once.
+// A named segment in /dev/shm is reserved whole: tmpfs would turn a page it cannot allocate later into
+// SIGBUS, where a memfd's owner only meets the ordinary out-of-memory rules.
+constexpr size_t kEagerSegmentBytes = size_t{256} << 20;
 // Makes the first `bytes` of a peer's arena (pages its owner wrote through) as cheap to write from here as
 // later: page-table entries in one batch, then one load per page, because on some virtual machines (the
 // development VM among them) the first access to a page through a new mapping costs several microseconds
@@ -249,20 +256,25 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
       EPCOMM_CHECK_ERRNO(fstat(own_fd, &st));
       mine.dev = static_cast<uint64_t>(st.st_dev);
       mine.ino = static_cast<uint64_t>(st.st_ino);
-      // Reserve the pages now so that a full /dev/shm (or memory limit) fails here with an error instead of
-      // SIGBUS later.
-      int rc = posix_fallocate(own_fd, 0, static_cast<off_t>(total));
+      // Reserve the eager part now so that a full /dev/shm (or memory limit) fails here with an error
+      // instead of SIGBUS later (kEagerSegmentBytes).
+      const size_t eager = memfd ? std::min(total, kEagerSegmentBytes) : total;
+      if (ftruncate(own_fd, static_cast<off_t>(total)) != 0)
+        EPCOMM_THROW(SystemError, "cannot size a shared-memory segment of ", total,
+                     " bytes: ", std::strerror(errno));
+      int rc = posix_fallocate(own_fd, 0, static_cast<off_t>(eager));
       if (rc != 0)
-        EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", total,
+        EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", eager,
                      " bytes (num_nvl_bytes = ", bytes_, ")", memfd ? "" : " in /dev/shm", ": ",
                      std::strerror(rc));
-      void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, own_fd, 0);
+      const int populate = eager == total ? MAP_POPULATE : MAP_NORESERVE;
+      void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | populate, own_fd, 0);
       if (p == MAP_FAILED)
         EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
       maps_[rank_] = static_cast<uint8_t*>(p);
       map_bytes_[rank_] = total;
-      // Write through the whole segment once: first-touch faults are paid here, not by the first dispatch.
-      std::memset(p, 0, total);
+      // Write through the eager part once: its first-touch faults are paid here, not by the first dispatch.
+      std::memset(p, 0, eager);
       attach_own_arena(own_fd, total, mine);
     }
 
