@@ -2,8 +2,6 @@
 // may wait for peers or for the communication thread runs with the GIL released.
 #include <pybind11/stl.h>
 
-#include <cmath>
-
 #include "bindings.h"
 #include "epcomm/buffer.h"
 #include "torch_bridge.h"
@@ -194,7 +192,8 @@ void bind_handle(py::module_& m) {
       .def_property_readonly("num_rows_per_source_and_receiver",
                              [](const H& h) {
                                const std::vector<int64_t> m = h.handle->num_rows_per_source_and_receiver();
-                               const auto R = static_cast<int64_t>(std::llround(std::sqrt(double(m.size()))));
+                               const auto R =
+                                   static_cast<int64_t>(h.handle->num_recv_rows_per_source().size());
                                at::Tensor t = at::empty({R, R}, at::kLong);
                                std::copy(m.begin(), m.end(), t.data_ptr<int64_t>());
                                return t;

@@ -6,6 +6,10 @@
 #include "common/env.h"
 
 namespace epcomm::log {
+namespace {
+const char* const kNames[] = {"error", "warn", "info", "debug"};  // indexed by Level
+}  // namespace
+
 namespace detail {
 
 std::atomic<int> g_level{-1};
@@ -14,7 +18,6 @@ int read_level() {
   const auto v = env::get("EPCOMM_LOG");
   int l = static_cast<int>(Level::warn);
   if (v) {
-    static const char* const kNames[] = {"error", "warn", "info", "debug"};
     l = -1;
     for (int i = 0; i < 4; ++i)
       if (*v == kNames[i]) l = i;
@@ -27,17 +30,7 @@ int read_level() {
 }  // namespace detail
 
 const char* name(Level l) {
-  switch (l) {
-    case Level::error:
-      return "error";
-    case Level::warn:
-      return "warn";
-    case Level::info:
-      return "info";
-    case Level::debug:
-      return "debug";
-  }
-  return "?";
+  return kNames[static_cast<int>(l)];
 }
 
 void write(Level l, int rank, const std::string& text) {
