@@ -2,6 +2,8 @@
 // every message names the argument, the expected and the actual value.
 #include <cstring>
 
+#include <unistd.h>
+
 #include "api/buffer_impl.h"
 #include "common/check.h"
 #include "common/env.h"
@@ -42,15 +44,22 @@ void check_contiguous(const Tensor& t, const char* name) {
                ", strides ", shape_str(t.strides()), ")");
 }
 
+// Element i of t in row-major order of its shape, read through its strides (a strided view reads right).
 int64_t read_int(const Tensor& t, int64_t i) {
+  int64_t at = t.is_contiguous() ? i : 0;
+  for (int64_t d = t.is_contiguous() ? -1 : t.dim() - 1; d >= 0; --d) {
+    const int64_t n = t.size(d);
+    at += (n > 0 ? i % n : 0) * t.strides()[static_cast<size_t>(d)];
+    i = n > 0 ? i / n : 0;
+  }
   switch (t.dtype()) {
     case DType::i64:
-      return t.data_as<int64_t>()[i];
+      return t.data_as<int64_t>()[at];
     case DType::i32:
-      return t.data_as<int32_t>()[i];
+      return t.data_as<int32_t>()[at];
     case DType::boolean:
     case DType::u8:
-      return t.data_as<uint8_t>()[i];
+      return t.data_as<uint8_t>()[at];
     default:
       return 0;
   }
@@ -247,7 +256,9 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     in.cost_stats = a.dispatch_wait_recv_cost_stats;
     in.keep.push_back(*a.dispatch_wait_recv_cost_stats);
   }
-  EPCOMM_CHECK(a.expert_alignment >= 1, "argument: expert_alignment: expected >= 1, got ",
+  EPCOMM_CHECK(a.expert_alignment >= 1, "argument: expert_alignment: expected >= 1, got ", a.expert_alignment);
+  EPCOMM_CHECK(a.expert_alignment < (int64_t{1} << 31),
+               "argument: expert_alignment: expected below 2^31 (a rank receives at most 2^31 - 1 rows), got ",
                a.expert_alignment);
   EPCOMM_CHECK(a.num_worst_tokens >= 0, "argument: num_worst_tokens: expected >= 0, got ",
                a.num_worst_tokens);
@@ -305,7 +316,6 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
                "argument: num_tokens_per_expert: expected a 1-D [num_experts] tensor, got shape ",
                shape_str(npe.shape()));
   check_dtype(npe, "num_tokens_per_expert", {DType::i32, DType::i64});
-  check_contiguous(npe, "num_tokens_per_expert");
   const int64_t E = npe.size(0);
   EPCOMM_CHECK(E >= 1 && E % R == 0, "argument: num_experts = ", E,
                " (from num_tokens_per_expert) must be a positive multiple of the number of ranks ", R);
@@ -342,7 +352,6 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     if (a.is_token_in_rank) {
       check_shape(*a.is_token_in_rank, "is_token_in_rank", {T, R}, "[num_tokens, num_ranks]");
       check_dtype(*a.is_token_in_rank, "is_token_in_rank", {DType::boolean, DType::i32});
-      check_contiguous(*a.is_token_in_rank, "is_token_in_rank");
       check_equal_layout(*a.is_token_in_rank, "is_token_in_rank", lay.is_token_in_rank);
     }
     if (a.num_tokens_per_rdma_rank) {
@@ -364,7 +373,6 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     const Tensor& itr = *a.is_token_in_rank;
     check_shape(itr, "is_token_in_rank", {T, R}, "[num_tokens, num_ranks]");
     check_dtype(itr, "is_token_in_rank", {DType::boolean, DType::i32});
-    check_contiguous(itr, "is_token_in_rank");
     in.in_rank.resize(static_cast<size_t>(T) * R);
     in.tokens_per_rank.assign(R, 0);
     for (int64_t i = 0; i < T * R; ++i) {
@@ -388,6 +396,23 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
       in.pairs_per_expert[e] = static_cast<int32_t>(v);
     }
   }
+}
+
+void check_worst_case_outputs(const engine::DispatchInput& in) {
+  const int64_t w = in.num_worst_tokens;
+  if (w == 0 || in.cached) return;
+  EPCOMM_CHECK(w < (int64_t{1} << 31), "argument: num_worst_tokens = ", w,
+               ", expected below 2^31 (a rank receives at most 2^31 - 1 rows)");
+  const auto& f = in.format;
+  const double per_row = static_cast<double>(f.data_row_bytes + f.scale_row_bytes + 3 * sizeof(int32_t)) +
+                         static_cast<double>(in.num_topk) * (dtype_size(in.idx_dtype) + sizeof(float));
+  const double need = per_row * static_cast<double>(w);
+  const double have =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  EPCOMM_CHECK(need <= have, "capacity: num_worst_tokens = ", w, " sizes the outputs at ",
+               static_cast<int64_t>(need), " bytes (", static_cast<int64_t>(per_row),
+               " per row), more than this host's memory (", static_cast<int64_t>(have),
+               " bytes); nothing was allocated");
 }
 
 void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::CombineInput& in) {

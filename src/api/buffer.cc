@@ -544,6 +544,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   std::optional<Error> verr;
   try {
     prepare_dispatch(b, a, *in, order);
+    check_worst_case_outputs(*in);
   } catch (const Error& e) {
     verr = Error(e.code(), b.prefix(opname, s) + e.what());
   }

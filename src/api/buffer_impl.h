@@ -71,5 +71,8 @@ struct Buffer::Impl {
 void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
                       ReceiveOrder& order);
 void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::CombineInput& in);
+// The outputs that num_worst_tokens sizes are allocated before the call runs: InvalidUsage unless they
+// fit (below 2^31 rows, within the host's memory).
+void check_worst_case_outputs(const engine::DispatchInput& in);
 
 }  // namespace epcomm

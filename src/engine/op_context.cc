@@ -167,35 +167,72 @@ void OpContext::exchange_headers(const std::function<void(bool& progressed)>& me
 }
 
 bool OpContext::any_peer_failed() const {
+  if (lost_rank_ >= 0) return true;
   if (inter_ && inter_->net->failed_peer() >= 0) return true;
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && control(r)->failed.load(std::memory_order_acquire) != 0) return true;
   return false;
 }
 
+int OpContext::find_local_peer(process::State state, const std::vector<int>& peers) const {
+  for (int p : peers) {
+    const int r = remote(p) ? inter_->topo.proxy_of(p) : p;
+    if (r == rank_) continue;
+    int32_t pid = 0;
+    if (tp_.peer_process(inter_ ? inter_->topo.local_index[r] : r, &pid) != state) continue;
+    lost_rank_ = r;
+    lost_reason_ = state == process::State::gone
+                       ? detail::cat(peer_word_, " ", r, " died: its process ", pid, " exited or was killed")
+                       : detail::cat(peer_word_, " ", r, " is stopped: its process ", pid,
+                                     " is held by SIGSTOP or a debugger");
+    return r;
+  }
+  return -1;
+}
+
+void OpContext::raise_lost() const {
+  saw_peer_failure_ = true;
+  EPCOMM_THROW(Aborted, prefix(), "peer failure: ", lost_reason_);
+}
+
 void OpContext::check_peers_alive() const {
+  if (lost_rank_ >= 0) raise_lost();  // a peer this call needed died: name it alone
   if (inter_) {
     std::string f = inter_->net->failure();
     if (!f.empty()) {
-      saw_peer_failure_ = true;
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", f);
+      lost_rank_ = inter_->net->failed_peer();
+      lost_reason_ = f;
+      raise_lost();
     }
   }
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const Control* c = control(r);
-    if (c->failed.load(std::memory_order_acquire) != 0) {
-      saw_peer_failure_ = true;
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r,
-                   " failed: ", std::string(c->failed_message, strnlen(c->failed_message, kMessageBytes)));
+    if (c->failed.load(std::memory_order_acquire) == 0) continue;
+    const std::string message(c->failed_message, strnlen(c->failed_message, kMessageBytes));
+    if (c->lost_rank > 0) {  // r failed because it lost a rank: pass that rank's name on
+      lost_rank_ = c->lost_rank - 1;
+      lost_reason_ = message;
+      raise_lost();
     }
+    saw_peer_failure_ = true;
+    EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r, " failed: ", message);
   }
 }
 
 void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) const {
   std::ostringstream os;
-  os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase
-     << "'; still waiting for ";
+  os << prefix() << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'";
+  // A stopped (or dead) peer on this host is why nobody progressed, whether this rank waits for it or for a
+  // peer that waits for it: name it alone.
+  std::vector<int> all(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) all[static_cast<size_t>(r)] = r;
+  const std::vector<int>& everyone = all;
+  for (const std::vector<int>* among : {&peers, &everyone})
+    for (process::State st : {process::State::stopped, process::State::gone})
+      if (find_local_peer(st, *among) >= 0)
+        throw Error(ErrorCode::Timeout, detail::cat(os.str(), ": ", lost_reason_));
+  os << "; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i)
     os << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i])
        << ")";
@@ -206,20 +243,22 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
 void OpContext::publish_failure(const std::string& message) const {
   Control* c = control(rank_);
   if (c->failed.load(std::memory_order_acquire) != 0) return;
-  size_t n = std::min(message.size(), kMessageBytes - 1);
-  std::memcpy(c->failed_message, message.data(), n);
+  // Failing because a rank was lost: the peers hear what happened to that rank (they name it, not us).
+  const std::string& text = lost_rank_ >= 0 ? lost_reason_ : message;
+  size_t n = std::min(text.size(), kMessageBytes - 1);
+  std::memcpy(c->failed_message, text.data(), n);
   c->failed_message[n] = '\0';
+  c->lost_rank = lost_rank_ + 1;
   c->failed.store(seq_ + 1, std::memory_order_seq_cst);
   notify_all();
   if (!inter_) return;
   // Tell the other nodes through our rail peers (best effort: the network may be what failed).
   const Topology& t = inter_->topo;
-  Network::Piece piece{c->failed_message, n + 1};
+  Network::Piece piece{reinterpret_cast<const uint8_t*>(&c->lost_rank), sizeof(int32_t) + n + 1};
   for (int node = 0; node < t.num_nodes; ++node) {
     if (node == t.node()) continue;
     try {
-      write_lane(t.rail(node), &piece, 1, offsetof(Control, failed_message), offsetof(Control, failed),
-                 seq_ + 1);
+      write_lane(t.rail(node), &piece, 1, offsetof(Control, lost_rank), offsetof(Control, failed), seq_ + 1);
     } catch (...) {
     }
   }

@@ -147,8 +147,8 @@ class OpContext {
       }
       if (failed_before)
         check_peers_alive();
-      else if (any_peer_failed())
-        continue;
+      else if (any_peer_failed() || peer_gone(now, awaited))
+        continue;  // the next pass looks at everything that peer delivered first
       if (now >= deadline) raise_timeout(phase, awaited());
       tp_.wait_doorbell(snap, std::min(deadline, now + std::chrono::milliseconds(100)));
     }
@@ -158,9 +158,23 @@ class OpContext {
   // so a late peer's data lands last and shows in its own cost-statistics element.
   const std::vector<int>& arrival_order() const { return arrival_order_; }
 
-  // Throws Aborted when a peer has published a failure (its Buffer failed: ours cannot go on either).
+  // Throws Aborted when a peer has published a failure (its Buffer failed: ours cannot go on either) or a
+  // peer on this host is gone (its process died). A lost rank (gone, or a broken connection to it) is named
+  // alone: a peer that failed because of it passes its name on (Control::lost_rank).
   void check_peers_alive() const;
   bool any_peer_failed() const;  // what check_peers_alive() would throw for, without throwing
+  // At most every kProcessWatch (it reads /proc): whether the process of a peer this wait still needs (or of
+  // the proxy it comes through) is gone; then it is the lost rank and any_peer_failed() says so.
+  template <typename Awaited>
+  bool peer_gone(Clock::time_point now, Awaited&& awaited) const {
+    if (now < next_watch_ || next_watch_ == Clock::time_point{}) {  // a call's first kProcessWatch: no look
+      if (next_watch_ == Clock::time_point{}) next_watch_ = now + kProcessWatch;
+      return false;
+    }
+    next_watch_ = now + kProcessWatch;
+    return find_local_peer(process::State::gone, awaited()) >= 0;
+  }
+  static constexpr std::chrono::milliseconds kProcessWatch{100};
   bool saw_peer_failure() const { return saw_peer_failure_; }
   [[noreturn]] void raise_timeout(const char* phase, const std::vector<int>& peers) const;
   // Tells peers this rank will not continue (they raise Aborted quoting `message`).
@@ -176,6 +190,10 @@ class OpContext {
   }
   void send_header_to_rails() const;
   uint64_t last_seq_seen(int r) const;
+  // The first of `peers` whose process (a remote peer's: its proxy's) is in `state`, or -1; records it as
+  // the lost rank.
+  int find_local_peer(process::State state, const std::vector<int>& peers) const;
+  [[noreturn]] void raise_lost() const;
 
   Transport& tp_;
   SegmentLayout layout_;
@@ -186,6 +204,9 @@ class OpContext {
   double timeout_s_;
   std::vector<int> arrival_order_;
   mutable bool saw_peer_failure_ = false;
+  mutable int lost_rank_ = -1;       // the rank whose loss this call saw (find_local_peer, a peer's notice)
+  mutable std::string lost_reason_;  // "rank 2 died: ...": what happened to it
+  mutable Clock::time_point next_watch_{};
   std::string label_, peer_word_ = "rank";
   Internode* inter_ = nullptr;
 };

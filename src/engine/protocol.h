@@ -85,8 +85,13 @@ struct alignas(64) Control {
   // back, each by compare-and-swap.
   std::atomic<uint64_t> share_chunks;
   int64_t share_out_offset, share_weights_offset;
+  // With `failed`: 1 + the rank whose loss made this rank fail (its process died or stopped, its connection
+  // broke), 0 for any other failure; then failed_message says what happened to that rank, not to this one.
+  // Sent across nodes with failed_message in one piece.
+  int32_t lost_rank;
   char failed_message[kMessageBytes];
 };
+static_assert(offsetof(Control, failed_message) == offsetof(Control, lost_rank) + sizeof(int32_t));
 
 // Written by peer p into this rank's segment.
 struct alignas(64) PeerCell {

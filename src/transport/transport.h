@@ -1,6 +1,6 @@
-// transport/transport.h — the internal interface every transport implements (shm today, UCX later).
-// A Transport gives this rank load/store access to every peer's registered segment, and a doorbell to sleep
-// on.
+// transport/transport.h — the internal interface of the memory a host's ranks share (shm implements it;
+// the network between hosts is transport/network.h). A Transport gives this rank load/store access to every
+// local peer's segment, a doorbell to sleep on, and what it can tell about the peers' processes.
 #pragma once
 
 #include <chrono>
@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+
+#include "common/process.h"
 
 namespace epcomm {
 
@@ -38,6 +40,15 @@ class Transport {
   // Whether the ranks on this host outnumber its cores: a rank that waits for a peer is then often waiting
   // for that peer to get a core, so it should sleep rather than start work that keeps the core busy.
   virtual bool oversubscribed() const { return false; }
+  // The process of `rank` on this host: gone (killed, exited), stopped (SIGSTOP, a debugger) or running;
+  // `pid` (optional) gets its pid for messages. A transport that cannot tell (ranks as threads of one
+  // process, peers in another PID namespace, a remote peer) answers running. Reads /proc: call it when a
+  // wait makes no progress, not on every poll.
+  virtual process::State peer_process(int rank, int32_t* pid = nullptr) const {
+    (void)rank;
+    (void)pid;
+    return process::State::running;
+  }
   // A short description for EPCOMM_LOG=info: "shm (memfd, spin 20000)", ...
   virtual std::string describe() const = 0;
 

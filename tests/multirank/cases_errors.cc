@@ -151,6 +151,43 @@ ERROR_CASE("num_worst_tokens_negative") {
   a.num_worst_tokens = -3;
   f.bad_dispatch(a, {"num_worst_tokens: expected >= 0, got -3"});
 }
+ERROR_CASE("expert_alignment_huge") {
+  Fixture f(ctx);
+  auto a = f.args();
+  a.expert_alignment = int64_t{1} << 40;
+  f.bad_dispatch(a, {"expert_alignment: expected below 2^31", "got 1099511627776"});
+}
+ERROR_CASE("num_worst_tokens_huge") {
+  Fixture f(ctx);
+  auto a = f.args();
+  a.num_worst_tokens = int64_t{1} << 62;
+  f.bad_dispatch(a, {"num_worst_tokens = 4611686018427387904, expected below 2^31"});
+}
+ERROR_CASE("num_worst_tokens_beyond_memory") {
+  // Sized before anything is allocated: 2^31 - 1 rows of 64 bf16 far exceed any host's memory.
+  Fixture f(ctx);
+  auto a = f.args();
+  a.num_worst_tokens = (int64_t{1} << 31) - 1;
+  f.bad_dispatch(a, {"capacity: num_worst_tokens = 2147483647 sizes the outputs at",
+                     "more than this host's memory", "nothing was allocated"});
+}
+ERROR_CASE("strided_layout_tensors") {
+  // Layout tensors are read through their strides: a strided view of the right counts is accepted, a
+  // strided view of wrong ones is rejected naming the index.
+  Fixture f(ctx);
+  const int64_t E = f.P.spec.num_experts;
+  std::vector<int32_t> wide(static_cast<size_t>(2 * E), -7);
+  for (int64_t e = 0; e < E; ++e)
+    wide[static_cast<size_t>(2 * e)] = f.lay.num_tokens_per_expert.data_as<int32_t>()[e];
+  auto a = f.args();
+  a.num_tokens_per_expert = Tensor::wrap(wide.data(), DType::i32, {E}, {2});
+  DispatchResult d = f.buf.dispatch(a);
+  REQUIRE(d.recv_x.data.size(1) == 64, "strided num_tokens_per_expert accepted");
+  for (int64_t e = 0; e < E; ++e)
+    std::swap(wide[static_cast<size_t>(2 * e)], wide[static_cast<size_t>(2 * e + 1)]);
+  a.num_tokens_per_expert = Tensor::wrap(wide.data(), DType::i32, {E}, {2});
+  f.bad_dispatch(a, {"num_tokens_per_expert disagrees with topk_idx at index 0: got -7"});
+}
 ERROR_CASE("bad_tuple") {
   Fixture f(ctx);
   auto a = f.args();

@@ -115,6 +115,17 @@ MR_CASE("timeout_names_missing_rank", {false, 2}) {
                {"failed earlier", "timeout"});
 }
 
+// This rank is SIGKILLed `ms` milliseconds from now while it keeps dispatching.
+[[noreturn]] static void die_in_dispatches(Buffer& buf, const Problem& P, int rank, const LayoutResult& lay,
+                                           int ms) {
+  std::thread killer([ms] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    kill(getpid(), SIGKILL);
+  });
+  killer.detach();
+  while (true) buf.dispatch(args_of(P, rank, lay));
+}
+
 MR_CASE("kill_rank_during_dispatch", {true, 2, 1}) {
   // Rank 1 dies (SIGKILL) in the middle of a large dispatch: every other rank fails with Timeout or
   // Aborted naming rank 1 within the deadline, and nothing stays in /dev/shm (checked by the driver).
@@ -125,15 +136,7 @@ MR_CASE("kill_rank_during_dispatch", {true, 2, 1}) {
   Problem P = make_problem(s);
   Buffer buf(ctx.group, test_options(1 << 20, timeout));  // small segment: many rounds
   LayoutResult lay = buf.get_dispatch_layout(topk_idx_of(P, ctx.rank), P.spec.num_experts);
-  if (ctx.rank == 1) {
-    std::thread killer([] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(30));
-      kill(getpid(), SIGKILL);
-    });
-    killer.detach();
-    for (int i = 0; i < 1000; ++i) buf.dispatch(args_of(P, ctx.rank, lay));
-    REQUIRE(false, "rank 1 should have been killed");
-  }
+  if (ctx.rank == 1) die_in_dispatches(buf, P, ctx.rank, lay, 30);
   auto t0 = Clock::now();
   try {
     for (int i = 0; i < 1000; ++i) buf.dispatch(args_of(P, ctx.rank, lay));
@@ -145,6 +148,38 @@ MR_CASE("kill_rank_during_dispatch", {true, 2, 1}) {
     REQUIRE(m.find("rank 1") != std::string::npos, "error does not name rank 1: ", m);
   }
   REQUIRE(seconds_since(t0) < timeout + 5, "failure took ", seconds_since(t0), " s");
+}
+
+MR_CASE("killed_rank_named_promptly", {true, 2, 1}) {
+  // Rank 1 dies (SIGKILL) in a loop of dispatches under a long deadline: every survivor sees its process go
+  // and raises Aborted naming rank 1 alone ("rank 1 died") well before the deadline (docs/reliability.md).
+  const double timeout = 30.0;
+  ProblemSpec s = small_spec(ctx, 256, 128);
+  s.num_experts = 4 * ctx.size;
+  s.num_topk = 4;
+  Problem P = make_problem(s);
+  Buffer buf(ctx.group, test_options(1 << 20, timeout));
+  LayoutResult lay = buf.get_dispatch_layout(topk_idx_of(P, ctx.rank), P.spec.num_experts);
+  if (ctx.rank == 1) die_in_dispatches(buf, P, ctx.rank, lay, 50);
+  Clock::time_point last = Clock::now();
+  try {
+    for (int i = 0; i < 1000000; ++i) {
+      buf.dispatch(args_of(P, ctx.rank, lay));
+      last = Clock::now();
+    }
+    REQUIRE(false, "the dispatches must fail once rank 1 is dead");
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    REQUIRE(e.code() == ErrorCode::Aborted, "got ", error_code_name(e.code()), ": ", m);
+    REQUIRE(m.find("peer failure: rank 1 died") != std::string::npos,
+            "error does not name rank 1 alone: ", m);
+    for (int r = 0; r < ctx.size; ++r)
+      if (r != 1 && r != ctx.rank)
+        REQUIRE(m.find("rank " + std::to_string(r)) == std::string::npos, "error names live rank ", r, ": ",
+                m);
+  }
+  REQUIRE(seconds_since(last) < 1.5, "the dead rank was seen only ", seconds_since(last),
+          " s after the last completed call");
 }
 
 MR_CASE("killed_during_segment_setup", {true, 2, 0}) {

@@ -17,6 +17,7 @@
 #include "common/check.h"
 #include "common/env.h"
 #include "common/log.h"
+#include "common/process.h"
 #include "epcomm/bootstrap.h"
 #include "tensor/output_arena.h"
 #include "transport/transport.h"
@@ -61,6 +62,10 @@ class ShmTransport final : public Transport {
   std::shared_ptr<OutputArena> output_arena() const override { return own_arena_; }
   uint8_t* arena(int r) const override { return arenas_[r]; }
   bool oversubscribed() const override { return oversubscribed_; }
+  process::State peer_process(int r, int32_t* pid) const override {
+    if (pid) *pid = procs_[r].pid;
+    return procs_[r].pid > 0 ? process::state(procs_[r]) : process::State::running;
+  }
   std::string describe() const override {
     return detail::cat("shm (", memfd_ ? "memfd" : "named, /dev/shm", ", spin ", spins_,
                        oversubscribed_ ? ", ranks outnumber cores" : "", ")");
@@ -74,6 +79,7 @@ class ShmTransport final : public Transport {
   bool attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must);
   void attach_own_arena(int fd, size_t total, SegmentRef& mine);
   void settle_reserves(Bootstrap& bootstrap, const std::vector<SegmentRef>& refs);
+  void watch_peers(const std::vector<SegmentRef>& refs, const process::Id& self);
 
   int rank_, size_;
   int spins_;  // polls before sleeping: a waiter only spins when every rank can have its own core
@@ -86,6 +92,7 @@ class ShmTransport final : public Transport {
   std::vector<uint8_t*> arenas_;   // every rank's output arena as mapped here (own: own_arena_'s), or null
   std::shared_ptr<OutputArena> own_arena_;
   std::vector<std::string> names_;
+  std::vector<process::Id> procs_;  // the peers' processes, where they can be watched (pid 0: not watched)
 };
 
 // The arena starts at the first page boundary after the segment, in the same file.
@@ -151,6 +158,7 @@ struct SegmentRef {
   int32_t pid;
   int32_t fd;
   int32_t pad;
+  uint64_t start_ticks, pid_namespace;  // with pid: the owner's process (process::Id), watched by its peers
   uint64_t dev;
   uint64_t ino;
   uint64_t arena_bytes;    // 0: no output arena (after the segment, at arena_file_offset)
@@ -233,7 +241,10 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
   try {
     SegmentRef mine{};
     mine.memfd = memfd ? 1 : 0;
-    mine.pid = static_cast<int32_t>(getpid());
+    const process::Id self = process::self();
+    mine.pid = self.pid;
+    mine.start_ticks = self.start_ticks;
+    mine.pid_namespace = self.pid_namespace;
     std::memcpy(mine.name, own.data(), own.size());
     if (memfd) {
       // Anonymous: no name exists at any moment, so a crash, even of every rank during setup, leaves
@@ -345,6 +356,7 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
       return false;
     }
     settle_reserves(bootstrap, refs);
+    watch_peers(refs, self);
     unlink_all();
     close(own_fd);
     own_fd = -1;
@@ -352,6 +364,19 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
   } catch (...) {
     release();
     throw;
+  }
+}
+
+// Peers are watched when they are other processes in our PID namespace (ranks that are threads of this
+// process, or processes whose pids mean nothing here, are not).
+void ShmTransport::watch_peers(const std::vector<SegmentRef>& refs, const process::Id& self) {
+  procs_.assign(size_, process::Id{});
+  for (int r = 0; r < size_; ++r) {
+    const SegmentRef& ref = refs[r];
+    if (r == rank_ || ref.pid <= 0 || ref.pid == self.pid || !self.pid_namespace ||
+        ref.pid_namespace != self.pid_namespace)
+      continue;
+    procs_[r] = process::Id{ref.pid, ref.start_ticks, ref.pid_namespace};
   }
 }
 
