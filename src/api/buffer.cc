@@ -196,6 +196,7 @@ Buffer::~Buffer() {
 void Buffer::destroy() {
   if (!impl_ || impl_->destroyed) return;
   impl_->stop_comm_thread();
+  if (impl_->network && !impl_->failed().empty()) impl_->network->abandon();  // peers may never answer
   impl_->network.reset();  // before the segments its region lives in
   impl_->transport.reset();
   impl_->alive.reset();

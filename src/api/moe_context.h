@@ -27,6 +27,9 @@ struct GroupContext {
   uint64_t seq = 0;    // last sequence number issued
   std::string failed;  // non-empty: a call failed after data moved; later calls raise Aborted quoting it
   std::mutex call;     // one call in flight per group
+  ~GroupContext() {
+    if (network && !failed.empty()) network->abandon();  // peers may never answer
+  }
 };
 
 // The group's context, created collectively with default options when it has none yet.

@@ -237,6 +237,11 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
     os << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i])
        << ")";
   if (peers.empty()) os << "(no peer recorded)";
+  if (peers.size() == 1) {  // the one peer this rank waits for is the lost one: peers that hear of it name it
+    lost_rank_ = peers[0];
+    lost_reason_ = detail::cat(peer_word_, " ", peers[0], " made no progress for ", timeout_s_,
+                               " s (last call seen: #", last_seq_seen(peers[0]), ")");
+  }
   throw Error(ErrorCode::Timeout, os.str());
 }
 

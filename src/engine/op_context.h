@@ -132,6 +132,7 @@ class OpContext {
   template <typename Step, typename Awaited>
   void run(const char* phase, Step&& step, Awaited&& awaited) {
     auto deadline = Clock::now() + timeout_;
+    bool grace = false;
     while (true) {
       uint32_t snap = tp_.doorbell();
       // A peer's failure is recorded after everything it sent before it has landed, so a step that began
@@ -143,13 +144,20 @@ class OpContext {
       auto now = Clock::now();
       if (progressed) {
         deadline = now + timeout_;
+        grace = false;
         continue;
       }
       if (failed_before)
         check_peers_alive();
       else if (any_peer_failed() || peer_gone(now, awaited))
         continue;  // the next pass looks at everything that peer delivered first
-      if (now >= deadline) raise_timeout(phase, awaited());
+      if (now >= deadline) {
+        // Across nodes a peer that can see why nobody progressed (a stopped rank on its host) times out at
+        // about the same moment: give its notice kTimeoutGrace to arrive, so that we name that rank too.
+        if (!inter_ || grace) raise_timeout(phase, awaited());
+        grace = true;
+        deadline = now + kTimeoutGrace;
+      }
       tp_.wait_doorbell(snap, std::min(deadline, now + std::chrono::milliseconds(100)));
     }
   }
@@ -175,6 +183,7 @@ class OpContext {
     return find_local_peer(process::State::gone, awaited()) >= 0;
   }
   static constexpr std::chrono::milliseconds kProcessWatch{100};
+  static constexpr std::chrono::milliseconds kTimeoutGrace{800};
   bool saw_peer_failure() const { return saw_peer_failure_; }
   [[noreturn]] void raise_timeout(const char* phase, const std::vector<int>& peers) const;
   // Tells peers this rank will not continue (they raise Aborted quoting `message`).

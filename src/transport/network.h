@@ -72,6 +72,12 @@ class Network {
 
   virtual NetworkCounters counters() const = 0;
 
+  // The group over this Network failed (a peer died, stopped or timed out): its destruction need not wait for
+  // peers that may never answer. Bounds the teardown by kAbandonedTeardown instead of timeout_s; what is
+  // still queued is cancelled. Never throws.
+  virtual void abandon() noexcept {}
+  static constexpr double kAbandonedTeardownS = 0.5;
+
   // Raw bandwidth of this transport, for the bench's ratio_to_link: a collective over every rank of the
   // bootstrap that created this Network; ranks pair up with their first peer and move `bytes` each way
   // `iterations` times with the transport's fastest one-sided verb (a put into a registered region whose

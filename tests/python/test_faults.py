@@ -158,9 +158,16 @@ def _run(case, fault, world, seed):
         latency = t_err - t_fault
         limit = KILL_WITHIN_S if fault == "kill" else deadline + 1.0
         assert latency <= limit, f"{where}: rank {r} raised after {latency:.2f} s (limit {limit}): {message}"
-        assert _named_ranks(message, r) == {victim}, f"{where}: rank {r} must name rank {victim} alone: {message}"
+        named = _named_ranks(message, r)
+        if case == "two_nodes" and fault == "stop":
+            # Across nodes only the victim's node-mates can see that it is stopped; a rank of the other node
+            # names it alone when their notice arrives within the grace of its own timeout, else it lists
+            # every peer it still awaits, the victim among them (docs/reliability.md).
+            assert victim in named, f"{where}: rank {r} must name rank {victim}: {message}"
+        else:
+            assert named == {victim}, f"{where}: rank {r} must name rank {victim} alone: {message}"
         expected = "died" if fault == "kill" else "stopped"
-        if case != "two_nodes" or fault == "stop":
+        if case != "two_nodes":
             assert expected in message, f"{where}: rank {r}: {message}"
         if r in destroyed:
             assert destroyed[r] <= DESTROY_WITHIN_S, f"{where}: rank {r}: destroy() took {destroyed[r]:.2f} s"
@@ -168,7 +175,7 @@ def _run(case, fault, world, seed):
 
 
 CASES = [("normal", "kill", 4), ("ops", "kill", 4), ("two_nodes", "kill", 4), ("normal", "stop", 4),
-         ("ops", "stop", 3)]
+         ("ops", "stop", 3), ("two_nodes", "stop", 4)]
 
 
 @pytest.mark.parametrize("case,fault,world", CASES)

@@ -275,8 +275,9 @@ void UcxNetwork::teardown() noexcept {
   // cancels what is still queued, instead of a flush-close that could not finish before the worker goes
   // (UCX asserts when a worker is destroyed under pending requests).
   const auto start = Clock::now();
-  const auto third =
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeout_s / 3));
+  const double budget =
+      abandoned_.load() ? std::min(options_.timeout_s, kAbandonedTeardownS) : options_.timeout_s;
+  const auto third = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(budget / 3));
   bool stuck = false;
   if (progress_.joinable()) {
     // Let writes in flight finish (a dead peer's fail at once), so their memory is no longer read.

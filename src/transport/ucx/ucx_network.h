@@ -133,6 +133,7 @@ class UcxNetwork final : public Network {
                         uint64_t signal_value) override;
   bool complete(uint64_t ticket) override { return tickets_.complete(ticket); }
   std::string failure() const override;
+  void abandon() noexcept override { abandoned_.store(true); }
   int failed_peer() const override;
   NetworkCounters counters() const override;
   double measure_link_gbps(Bootstrap& bootstrap, size_t bytes, int iterations) override;
@@ -198,7 +199,8 @@ class UcxNetwork final : public Network {
   std::string failure_;
   std::atomic<int> failed_peer_{-1};  // read without the lock: OpContext::run asks at every step
   std::mutex recv_mu_;
-  std::atomic<bool> closing_{false};  // teardown started: arrivals no longer call on_arrival
+  std::atomic<bool> abandoned_{false};  // teardown bounded by kAbandonedTeardownS (abandon())
+  std::atomic<bool> closing_{false};    // teardown started: arrivals no longer call on_arrival
 
   // Serializes the threads that enter the worker on the data path (the progress thread, the communication
   // thread's sends). UCX's own lock in UCS_THREAD_MODE_MULTI is a spinlock: with more threads than cores
