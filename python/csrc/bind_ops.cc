@@ -25,7 +25,8 @@ namespace moe = epcomm::moe;
   throw Error(ErrorCode::InvalidUsage, message);
 }
 
-// The arguments of one call, by name. Missing or None entries keep the C++ defaults.
+// The arguments of one call, by name. Missing entries keep the C++ defaults; None means "not given" for a
+// tensor or a string and is an error for an int.
 struct Kwargs {
   py::dict d;
 
@@ -34,40 +35,65 @@ struct Kwargs {
     if (!has(name)) return std::nullopt;
     py::object v = d[name];
     if (!THPVariable_Check(v.ptr()))
-      invalid(std::string("argument: ") + name + ": expected a torch.Tensor or None, got " +
-              py::str(py::type::of(v).attr("__name__")).cast<std::string>());
+      invalid(std::string("argument: ") + name + ": expected a torch.Tensor or None, got " + type_name(v));
     return v.cast<at::Tensor>();
   }
   std::optional<Tensor> opt(const char* name) const {
-    std::optional<std::string> as;
-    std::string fmt = std::string(name) + "_format";  // one-byte formats torch lacks, e.g. "e8m0"
-    if (has(fmt.c_str())) as = d[fmt.c_str()].cast<std::string>();
-    return from_torch(torch(name), name, as);
+    std::string fmt;  // one-byte formats torch lacks, e.g. "e8m0"
+    string((std::string(name) + "_format").c_str(), fmt);
+    return from_torch(torch(name), name, fmt.empty() ? std::nullopt : std::optional<std::string>(fmt));
   }
   Tensor req(const char* name) const {
     std::optional<Tensor> t = opt(name);
     if (!t) invalid(std::string("argument: ") + name + ": a tensor is required, got None");
     return *t;
   }
+  // An int parameter; absent keeps the default, None or another type is an error (torch_npu's schema has
+  // ints there), and so is an int beyond 64 bits.
   void integer(const char* name, int64_t& out) const {
-    if (!has(name)) return;
+    if (!d.contains(name)) return;
     py::object v = d[name];
     if (!py::isinstance<py::int_>(v))
-      invalid(std::string("argument: ") + name + ": expected an int, got " +
-              py::str(py::type::of(v).attr("__name__")).cast<std::string>());
-    out = v.cast<int64_t>();
+      invalid(std::string("argument: ") + name + ": expected an int, got " + type_name(v));
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow)
+      invalid(std::string("argument: ") + name + ": expected a 64-bit integer, got " +
+              py::str(v).cast<std::string>());
+    out = x;
+  }
+  // tp_world_size as far as it is usable (to reach the TP pair when the call fails before it was read).
+  int64_t lenient(const char* name) const {
+    int64_t v = 0;
+    try {
+      integer(name, v);
+    } catch (const Error&) {
+    }
+    return v;
+  }
+  static std::string type_name(const py::object& v) {
+    return py::str(py::type::of(v).attr("__name__")).cast<std::string>();
   }
   void string(const char* name, std::string& out) const {
     if (!has(name)) return;
     py::object v = d[name];
     if (!py::isinstance<py::str>(v))
-      invalid(std::string("argument: ") + name + ": expected a string, got " +
-              py::str(py::type::of(v).attr("__name__")).cast<std::string>());
+      invalid(std::string("argument: ") + name + ": expected a string, got " + type_name(v));
     out = v.cast<std::string>();
   }
   std::optional<DType> dtype(const char* name) const {
+    std::string s;
+    string(name, s);
+    if (s.empty()) return std::nullopt;
+    return parse_dtype(s);
+  }
+  // A float parameter (an int or a float; not a bool).
+  std::optional<double> number(const char* name) const {
     if (!has(name)) return std::nullopt;
-    return parse_dtype(d[name].cast<std::string>());
+    py::object v = d[name];
+    if (py::isinstance<py::bool_>(v) || !(py::isinstance<py::int_>(v) || py::isinstance<py::float_>(v)))
+      invalid(std::string("argument: ") + name + ": expected a number, got " + type_name(v));
+    return v.cast<double>();
   }
 };
 
@@ -75,12 +101,35 @@ moe::OpOptions op_options(const Kwargs& k) {
   moe::OpOptions o;
   k.string("strict_hardware_limits", o.strict_hardware_limits);
   k.integer("hccl_buffsize_mb", o.hccl_buffsize_mb);
-  if (k.has("timeout")) {
-    double s = k.d["timeout"].cast<double>();
-    if (!std::isfinite(s) || s <= 0) invalid("argument: timeout: expected a finite number of seconds > 0");
-    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(s * 1000.0)));
+  if (std::optional<double> s = k.number("timeout")) {
+    if (!std::isfinite(*s) || *s <= 0 || *s > 1e9)
+      invalid("argument: timeout: expected a finite number of seconds in (0, 1e9], got " +
+              std::to_string(*s));
+    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(*s * 1000.0)));
   }
+  // Outputs the caller gives no buffer for: torch tensors, allocated by the operator once it checked every
+  // argument (so that malformed sizes never allocate); `core_allocates` (tests) keeps epcomm's allocator.
+  if (!k.d.contains("core_allocates")) o.allocator = torch_allocator();
   return o;
+}
+
+// Reads the call's arguments with `read`. Whatever it rejects (a wrong type, an int beyond 64 bits, a tensor
+// epcomm cannot take) fails the call on every rank of the groups (moe::fail_call) instead of leaving this
+// rank one call behind its peers; it raises InvalidUsageError here.
+template <class Read>
+void read_collectively(Group& ep, Group* tp, const char* op, const Kwargs& k, Read&& read) {
+  std::optional<Error> err;
+  try {
+    read();
+    return;
+  } catch (const Error& e) {
+    err = e;
+  } catch (const py::cast_error& e) {
+    err = Error(ErrorCode::InvalidUsage, std::string("argument: ") + e.what());
+  }
+  const int64_t tp_world_size = k.lenient("tp_world_size");
+  py::gil_scoped_release nogil;
+  moe::fail_call(ep, tp, op, tp_world_size, err->code(), err->what());
 }
 
 Group* tp_of(const py::object& tp) {
@@ -107,65 +156,7 @@ void common_ints(const Kwargs& k, Args& a) {
   k.integer("const_expert_num", a.const_expert_num);
 }
 
-// Dispatch's outputs with the exact shapes of spec §2.4 (zero-filled torch tensors the operator writes in
-// place), when the arguments are well-formed enough to know them; otherwise the operator allocates them and
-// reports the bad argument itself.
-void torch_dispatch_outputs(moe::DispatchV2Args& a) {
-  const Shape& xs = a.x.shape();
-  const Shape& is = a.expert_ids.shape();
-  if (xs.size() != 2 || is.size() != 2 || (a.x.dtype() != DType::bf16 && a.x.dtype() != DType::f16)) return;
-  const int64_t W = a.ep_world_size, Sr = a.shared_expert_rank_num, E = a.moe_expert_num, p = a.ep_rank_id;
-  const int64_t Bs = xs[0], H = xs[1], K = is[1], qm = a.quant_mode;
-  if (W < 1 || Sr < 0 || Sr >= W || E < 1 || E % (W - Sr) != 0 || p < 0 || p >= W || K < 1) return;
-  if (a.tp_world_size < 0 || a.tp_world_size > 2 || qm < 0 || qm > 4 || a.expert_shard_type != 0) return;
-  const int64_t S = Sr == 0 ? 0 : a.shared_expert_num;
-  if (Sr > 0 && (S < 1 || Sr % S != 0)) return;
-  if (a.global_bs < 0 || (a.global_bs > 0 && a.global_bs % W != 0)) return;
-  const int64_t T = std::max<int64_t>(a.tp_world_size, 1), L = E / (W - Sr);
-  const int64_t maxBs = a.global_bs > 0 ? a.global_bs / W : Bs, G = a.global_bs > 0 ? a.global_bs : Bs * W;
-  const bool shared = p < Sr;
-  const int64_t A = shared ? maxBs * ((W + Sr / S - 1) / (Sr / S)) : G * std::min(L, K);
-  const int64_t Lp = shared ? 1 : L;
-  // expand_x's dtype (§5): x's in mode 0, else y_dtype where the mode allows it, else the mode's default.
-  DType y = a.x.dtype();
-  if (qm == 0) {
-    if (a.y_dtype && *a.y_dtype != y) return;
-  } else {
-    const DType def = qm <= 2 ? DType::i8 : DType::f8e4m3;
-    y = a.y_dtype.value_or(def);
-    const bool ok = y == def || (qm >= 2 && (y == DType::f8e4m3 || y == DType::f8e5m2));
-    if (!ok) return;
-  }
-  auto zeros = [](DType d, at::IntArrayRef shape, const char* what) {
-    at::Tensor t = torch_empty(shape, torch_dtype(d)).zero_();
-    const bool one_byte_format = d == DType::f8e4m3 || d == DType::f8e5m2 || d == DType::e8m0;
-    return from_torch(t, what, one_byte_format ? std::optional<std::string>(dtype_name(d)) : std::nullopt);
-  };
-  const int64_t rows = T * A;
-  if (!a.expand_x_out) a.expand_x_out = zeros(y, {rows, H}, "expand_x_out");
-  if (!a.dynamic_scales_out) {
-    if (qm == 3)
-      a.dynamic_scales_out = zeros(DType::f32, {rows, (H + 127) / 128}, "dynamic_scales_out");
-    else if (qm == 4)
-      a.dynamic_scales_out = zeros(DType::u8, {rows, ((H + 31) / 32 + 1) / 2 * 2}, "dynamic_scales_out");
-    else
-      a.dynamic_scales_out = zeros(DType::f32, {rows}, "dynamic_scales_out");
-  }
-  if (!a.assist_info_for_combine_out)
-    a.assist_info_for_combine_out = zeros(DType::i32, {A * 128}, "assist_info_for_combine_out");
-  if (!a.expert_token_nums_out) a.expert_token_nums_out = zeros(DType::i64, {Lp}, "expert_token_nums_out");
-  if (!a.ep_recv_counts_out) a.ep_recv_counts_out = zeros(DType::i32, {W * T * Lp}, "ep_recv_counts_out");
-  if (!a.tp_recv_counts_out)
-    a.tp_recv_counts_out = zeros(DType::i32, {a.tp_world_size}, "tp_recv_counts_out");
-  if (!a.expand_scales_out)
-    a.expand_scales_out = zeros(DType::f32, {a.expert_scales ? rows : 0}, "expand_scales_out");
-}
-
-// Returns (expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts,
-// tp_recv_counts, expand_scales, expand_x format, dynamic_scales format).
-py::tuple dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, const py::dict& kwargs) {
-  Kwargs k{kwargs};
-  moe::DispatchV2Args a;
+void dispatch_args(const Kwargs& k, moe::DispatchV2Args& a, moe::OpOptions& o) {
   a.x = k.req("x");
   a.expert_ids = k.req("expert_ids");
   a.scales = k.opt("scales");
@@ -186,9 +177,17 @@ py::tuple dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, co
   a.ep_recv_counts_out = k.opt("ep_recv_counts_out");
   a.tp_recv_counts_out = k.opt("tp_recv_counts_out");
   a.expand_scales_out = k.opt("expand_scales_out");
-  if (!k.has("core_allocates")) torch_dispatch_outputs(a);
-  moe::OpOptions o = op_options(k);
+  o = op_options(k);
+}
+
+// Returns (expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts,
+// tp_recv_counts, expand_scales, expand_x format, dynamic_scales format).
+py::tuple dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, const py::dict& kwargs) {
+  const Kwargs k{kwargs};
   Group* tpg = tp_of(tp);
+  moe::DispatchV2Args a;
+  moe::OpOptions o;
+  read_collectively(*ep, tpg, "dispatch_v2", k, [&] { dispatch_args(k, a, o); });
   moe::DispatchV2Result r;
   {
     py::gil_scoped_release nogil;
@@ -227,26 +226,15 @@ void combine_args(const Kwargs& k, Args& a) {
   a.x_out = k.opt("x_out");
 }
 
-// An output buffer shaped like `shape` in expand_x's dtype, allocated by torch, when the inputs are
-// well-formed enough to know it; otherwise the core allocates (and reports the bad input).
-std::optional<Tensor> torch_out(const Kwargs& k, const Tensor& expand_x, at::IntArrayRef shape,
-                                const char* what, std::optional<at::ScalarType> type = std::nullopt) {
-  if (k.has(what)) return std::nullopt;
-  if (expand_x.dtype() != DType::bf16 && expand_x.dtype() != DType::f16) return std::nullopt;
-  for (int64_t s : shape)
-    if (s < 0) return std::nullopt;
-  at::Tensor t = torch_empty(shape, type.value_or(torch_dtype(expand_x.dtype()))).zero_();
-  return from_torch(t, what);
-}
-
 at::Tensor combine_v2(const std::shared_ptr<Group>& ep, const py::object& tp, const py::dict& kwargs) {
-  Kwargs k{kwargs};
-  moe::CombineV2Args a;
-  combine_args(k, a);
-  if (!a.x_out && a.expand_x.shape().size() == 2 && a.expert_ids.shape().size() == 2)
-    a.x_out = torch_out(k, a.expand_x, {a.expert_ids.shape()[0], a.expand_x.shape()[1]}, "x_out");
-  moe::OpOptions o = op_options(k);
+  const Kwargs k{kwargs};
   Group* tpg = tp_of(tp);
+  moe::CombineV2Args a;
+  moe::OpOptions o;
+  read_collectively(*ep, tpg, "combine_v2", k, [&] {
+    combine_args(k, a);
+    o = op_options(k);
+  });
   Tensor r;
   {
     py::gil_scoped_release nogil;
@@ -257,22 +245,19 @@ at::Tensor combine_v2(const std::shared_ptr<Group>& ep, const py::object& tp, co
 
 py::tuple combine_add_rms_norm(const std::shared_ptr<Group>& ep, const py::object& tp,
                                const py::dict& kwargs) {
-  Kwargs k{kwargs};
-  moe::CombineAddRmsNormArgs a;
-  combine_args(k, a);
-  a.residual_x = k.req("residual_x");
-  a.gamma = k.req("gamma");
-  if (k.has("norm_eps")) a.norm_eps = k.d["norm_eps"].cast<float>();
-  a.y_out = k.opt("y_out");
-  a.rstd_out = k.opt("rstd_out");
-  if (a.expand_x.shape().size() == 2 && a.expert_ids.shape().size() == 2) {
-    const int64_t bs = a.expert_ids.shape()[0], h = a.expand_x.shape()[1];
-    if (!a.x_out) a.x_out = torch_out(k, a.expand_x, {bs, 1, h}, "x_out");
-    if (!a.y_out) a.y_out = torch_out(k, a.expand_x, {bs, 1, h}, "y_out");
-    if (!a.rstd_out) a.rstd_out = torch_out(k, a.expand_x, {bs, 1, 1}, "rstd_out", at::kFloat);
-  }
-  moe::OpOptions o = op_options(k);
+  const Kwargs k{kwargs};
   Group* tpg = tp_of(tp);
+  moe::CombineAddRmsNormArgs a;
+  moe::OpOptions o;
+  read_collectively(*ep, tpg, "combine_add_rms_norm", k, [&] {
+    combine_args(k, a);
+    a.residual_x = k.req("residual_x");
+    a.gamma = k.req("gamma");
+    if (std::optional<double> eps = k.number("norm_eps")) a.norm_eps = static_cast<float>(*eps);
+    a.y_out = k.opt("y_out");
+    a.rstd_out = k.opt("rstd_out");
+    o = op_options(k);
+  });
   moe::CombineAddRmsNormResult r;
   {
     py::gil_scoped_release nogil;
@@ -290,6 +275,16 @@ void bind_ops(py::module_& m) {
         "epcomm::moe::combine_v2; kwargs by aclnn name (see epcomm.ops).");
   m.def("moe_combine_add_rms_norm", &combine_add_rms_norm, py::arg("ep_group"), py::arg("tp_group"),
         py::arg("kwargs"), "epcomm::moe::combine_add_rms_norm; kwargs by aclnn name (see epcomm.ops).");
+  m.def(
+      "moe_fail_call",
+      [](const std::shared_ptr<Group>& ep, const py::object& tp, const std::string& op, int64_t tp_world_size,
+         const std::string& message) {
+        Group* tpg = tp_of(tp);
+        py::gil_scoped_release nogil;
+        moe::fail_call(*ep, tpg, op, tp_world_size, ErrorCode::InvalidUsage, message);
+      },
+      py::arg("ep_group"), py::arg("tp_group"), py::arg("op"), py::arg("tp_world_size"), py::arg("message"),
+      "Fails the operator call `op` on every rank (moe::fail_call): raises InvalidUsageError here.");
   m.def(
       "moe_init_group_context",
       [](const std::shared_ptr<Group>& g, int64_t segment_bytes, std::optional<double> timeout_s,

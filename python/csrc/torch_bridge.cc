@@ -26,7 +26,13 @@ std::shared_ptr<void> own(at::Tensor t) {
 class TorchAllocator final : public Allocator {
  public:
   Tensor allocate(DType dtype, const Shape& shape) override {
-    at::Tensor t = torch_empty(shape, torch_dtype(dtype));
+    at::Tensor t;
+    try {
+      t = torch_empty(shape, torch_dtype(dtype));
+    } catch (const c10::Error& e) {  // epcomm's callers handle epcomm::Error only
+      throw Error(ErrorCode::SystemError, std::string("allocating a ") + dtype_name(dtype) +
+                                              shape_str(shape) + " output: " + e.what_without_backtrace());
+    }
     void* data = t.data_ptr();
     return Tensor::wrap(data, dtype, shape, {}, own(std::move(t)));
   }
@@ -50,7 +56,12 @@ at::Tensor torch_empty(at::IntArrayRef shape, at::ScalarType type) {
   static const std::shared_ptr<Allocator> cache = default_allocator();
   const auto options = at::TensorOptions().dtype(type).device(at::kCPU);
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    if (s < 0 || (s > 0 && n > (int64_t{1} << 62) / s))
+      throw Error(ErrorCode::SystemError, "torch_empty: a tensor of shape " + c10::str(shape) +
+                                              " has a negative size or more than 2^62 elements");
+    n *= s;
+  }
   if (static_cast<size_t>(n) * at::elementSize(type) < (size_t{2} << 20)) return at::empty(shape, options);
   Tensor block = cache->allocate(DType::u8, {n * static_cast<int64_t>(at::elementSize(type))});
   std::shared_ptr<void> keep = block.owner();

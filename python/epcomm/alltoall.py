@@ -161,6 +161,8 @@ def _payload(x):
     d, dn, s, sn, quant_mode = x["data"], x["data_dtype"], x["scales"], x["scales_dtype"], x["quant_mode"]
     if d.dim() != 2:
         _arg(f"x: expected a 2-D [num_tokens, hidden] tensor, got shape {_shape(d)}")
+    if int(d.shape[1]) < 1:
+        _arg(f"x: hidden (columns) must be >= 1, got shape {_shape(d)}")
     _check_contiguous(d, "x")
     T = int(d.shape[0])
     if s is not None:
@@ -234,6 +236,20 @@ def _layout(V, E, R):
     per_rank = in_rank.sum(dim=0).to(torch.int32)
     per_expert = torch.bincount(V[valid], minlength=E).to(torch.int32)
     return per_rank, per_expert, in_rank
+
+
+_MAX_ROWS = 1 << 31  # a rank receives at most 2^31 - 1 rows (the engine's limit)
+
+
+def _check_memory(prefix, d, rows, row_bytes):
+    """Raises InvalidUsageError (capacity) when rank d's outputs of `rows` rows would not fit this host's
+    memory (a huge expert_alignment or num_worst_tokens), instead of torch failing to allocate them."""
+    need = rows * row_bytes
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise InvalidUsageError(f"{prefix}capacity: receiving rank {d} gets {rows} rows of {row_bytes} bytes, "
+                                f"{need} bytes in all, more than this host's memory ({have} bytes); nothing was "
+                                "allocated")
 
 
 def _align(n, a):
@@ -430,10 +446,13 @@ class AllToAllStrategy:
     def _prepare_common(self, a):
         R = self.num_ranks
         self._stats(a["dispatch_wait_recv_cost_stats"], "dispatch_wait_recv_cost_stats", R)
-        if a["expert_alignment"] < 1:
-            _arg(f"expert_alignment: expected >= 1, got {a['expert_alignment']}")
+        if not 1 <= a["expert_alignment"] < _MAX_ROWS:
+            _arg(f"expert_alignment: expected 1 to 2^31 - 1, got {a['expert_alignment']}")
         if a["num_worst_tokens"] < 0:
             _arg(f"num_worst_tokens: expected >= 0, got {a['num_worst_tokens']}")
+        if a["num_worst_tokens"] >= _MAX_ROWS:
+            _arg(f"num_worst_tokens = {a['num_worst_tokens']}, expected below 2^31 (a rank receives at most "
+                 "2^31 - 1 rows)")
         return self._chunks(a["config"])
 
     def _prepare_cached(self, a):
@@ -581,6 +600,11 @@ class AllToAllStrategy:
             if worst > 0 and n > worst:
                 raise InvalidUsageError(f"{self.prefix}capacity: receiving rank {d} gets N = {n} rows but its "
                                         f"num_worst_tokens = {worst}; nothing was sent (rows are never truncated)")
+            # Every rank sees every receiver's rows, so these raise on every rank, before anything is allocated.
+            if n >= _MAX_ROWS:
+                raise InvalidUsageError(f"{self.prefix}argument: rank {d} would receive {n} rows, more than "
+                                        "2^31 - 1")
+            _check_memory(self.prefix, d, max(n, worst), f.row_bytes + 12 + K * 12)
         cnt, lst, N = plan(me)
         rows = a["num_worst_tokens"] if a["num_worst_tokens"] > 0 else N
 
@@ -713,6 +737,8 @@ class AllToAllStrategy:
             _arg("x: expected a 2-D [handle.num_rows, hidden] tensor, got " + ("None" if x is None else _shape(x)))
         if int(x.shape[0]) != h.num_rows:
             _arg(f"x: shape {_shape(x)}, expected [{h.num_rows}, hidden] = [handle.num_rows, hidden]")
+        if int(x.shape[1]) < 1:
+            _arg(f"x: hidden (columns) must be >= 1, got shape {_shape(x)}")
         _check_dtype(x, "x", ("bf16", "f16", "f32"))
         _check_contiguous(x, "x")
         T, K = h.num_tokens, h.num_topk

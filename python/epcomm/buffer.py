@@ -229,15 +229,22 @@ class Buffer:
                             allocate_on_comm_stream=False):
         """Local. Returns (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
         is_token_in_rank, event)."""
-        prev = c_event(previous_event)
+        try:  # local: a bad argument raises here only
+            _tensor_arg(topk_idx, "topk_idx", required=True)
+            num_experts = _int_arg(num_experts, "num_experts")
+            if not 1 <= num_experts < 1 << 31:
+                raise InvalidUsageError(f"argument: num_experts: expected 1 to 2^31 - 1, got {num_experts}")
+            prev = c_event(previous_event)
+        except InvalidUsageError as e:
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] get_dispatch_layout: {e}") from None
         if isinstance(self._impl, AllToAllStrategy):
             if prev is not None:
                 prev.wait()
-            per_rank, per_rdma, per_expert, in_rank = self._impl.get_dispatch_layout(topk_idx, int(num_experts))
+            per_rank, per_rdma, per_expert, in_rank = self._impl.get_dispatch_layout(topk_idx, num_experts)
             event = EventOverlap()
         else:
             per_rank, per_rdma, per_expert, in_rank, event = self._impl.get_dispatch_layout(
-                topk_idx, int(num_experts), prev, bool(async_finish), bool(allocate_on_comm_stream))
+                topk_idx, num_experts, prev, bool(async_finish), bool(allocate_on_comm_stream))
             event = EventOverlap(event)
         if self.flavor == "ascend":  # the Ascend port's layout: i32 membership, per-round expert counts
             event.wait()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._dtypes import PLAIN, _NAME_OF_REAL, as_format
-from ._errors import InvalidUsageError
+from ._errors import Error, InvalidUsageError
 
 _registry = {}
 # ProcessGroup -> epcomm.Group. Keyed by the ProcessGroup object itself (kept alive here), so a group
@@ -130,36 +130,41 @@ def _c_group(op, which, group):
 
 
 def _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size):
+    """(EP group, TP group or None, the error that resolving the TP group raised or None). An EP group that
+    cannot be resolved raises here (locally: there is no group to tell); a TP group is needed only with
+    tp_world_size = 2, and its error fails the call on the EP group (raised by the call's checks)."""
     ep = _c_group(op, "group_ep", _resolve(op, "group_ep", group_ep if group_ep is not None else "", ep_group,
                                            True))
-    tp = None
-    if isinstance(tp_world_size, int) and tp_world_size > 1:
-        tp = _c_group(op, "group_tp", _resolve(op, "group_tp", group_tp if group_tp is not None else "",
-                                               tp_group, True))
-    return ep, tp
+    if type(tp_world_size) is not int or tp_world_size != 2:
+        return ep, None, None
+    try:
+        return ep, _c_group(op, "group_tp", _resolve(op, "group_tp", group_tp if group_tp is not None else "",
+                                                     tp_group, True)), None
+    except InvalidUsageError as e:
+        return ep, None, e
 
 
-def _dtype_name(op, which, dtype):
+def _dtype_name(which, dtype):
     if dtype is None:
         return None
     if isinstance(dtype, torch.dtype):
         name = PLAIN.get(dtype) or _NAME_OF_REAL.get(dtype)
         if name is not None:
             return name
-    raise InvalidUsageError(f"{op}: argument: {which}: expected a torch.dtype epcomm knows or None, got {dtype!r}")
+    raise InvalidUsageError(f"argument: {which}: expected a torch.dtype epcomm knows or None, got {dtype!r}")
 
 
-def _require(op, **values):
+def _require(**values):
     for name, value in values.items():
         if value is None:
-            raise InvalidUsageError(f"{op}: argument: {name}: required, got None")
+            raise InvalidUsageError(f"argument: {name}: required, got None")
 
 
 def _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout):
     kw["strict_hardware_limits"] = strict_hardware_limits
     kw["hccl_buffsize_mb"] = hccl_buffsize_mb
     if timeout is not None:
-        kw["timeout"] = float(timeout)
+        kw["timeout"] = timeout  # a number of seconds, checked by the binding
     return kw
 
 
@@ -167,11 +172,29 @@ def _name_or_empty(value):
     return value if isinstance(value, str) else ""
 
 
-def _assist(op, assist_info_for_combine, expand_idx):
+def _assist(assist_info_for_combine, expand_idx):
     if assist_info_for_combine is not None and expand_idx is not None:
-        raise InvalidUsageError(f"{op}: argument: expand_idx: is torch_npu's name for assist_info_for_combine; "
-                                "give one of them")
+        raise InvalidUsageError("argument: expand_idx: is torch_npu's name for assist_info_for_combine; give one "
+                                "of them")
     return assist_info_for_combine if assist_info_for_combine is not None else expand_idx
+
+
+def _collective(core_op, ep, tp, tp_world_size, prepare, call):
+    """Runs the Python-level checks of one operator call (`prepare`, which returns the binding's kwargs), then
+    the call itself. Whatever the checks raise fails the call on every rank of the groups (the binding's
+    moe_fail_call: InvalidUsageError here, AbortedError quoting it on the peers), so that no rank falls one
+    call behind its peers; the binding does the same for what it cannot convert. Only a group that cannot be
+    resolved raises locally (there is no group to tell)."""
+    try:
+        kw = prepare()
+    except Error as e:
+        message = str(e)
+    except Exception as e:  # a malformed argument Python or torch rejected
+        message = f"argument: {type(e).__name__}: {e}"
+    else:
+        return call(ep, tp, kw)
+    usable_tp = tp_world_size if type(tp_world_size) is int and 0 <= tp_world_size <= 2 else 0
+    _C.moe_fail_call(ep, tp, core_op, usable_tp, message)
 
 
 def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *,
@@ -186,33 +209,62 @@ def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_ra
     tp_recv_counts, expand_scales), shaped as in spec §2.4 (zero past the valid part). fp8 outputs come as
     the real torch dtype where torch has it, else as uint8; mode-4 dynamic_scales are E8M0 bytes."""
     op = "npu_moe_distribute_dispatch_v2"
-    _require(op, ep_world_size=ep_world_size, ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num)
-    ep, tp = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)
-    kw = dict(x=x, expert_ids=expert_ids, scales=scales, x_active_mask=x_active_mask, expert_scales=expert_scales,
-              elastic_info=elastic_info, performance_info=performance_info, group_ep=_name_or_empty(group_ep),
-              group_tp=_name_or_empty(group_tp), comm_alg=comm_alg, ep_world_size=ep_world_size,
-              ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, tp_world_size=tp_world_size,
-              tp_rank_id=tp_rank_id, expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-              shared_expert_rank_num=shared_expert_rank_num, quant_mode=quant_mode, global_bs=global_bs,
-              expert_token_nums_type=expert_token_nums_type, zero_expert_num=zero_expert_num,
-              copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-              y_dtype=_dtype_name(op, "y_dtype", y_dtype), x_dtype=_dtype_name(op, "x_dtype", x_dtype),
-              scales_dtype=_dtype_name(op, "scales_dtype", scales_dtype))
-    r = _C.moe_dispatch_v2(ep, tp, _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout))
+    ep, tp, tp_error = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)
+
+    def prepare():
+        if tp_error is not None:
+            raise tp_error
+        _require(ep_world_size=ep_world_size, ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num)
+        kw = dict(x=x, expert_ids=expert_ids, scales=scales, x_active_mask=x_active_mask,
+                  expert_scales=expert_scales, elastic_info=elastic_info, performance_info=performance_info,
+                  group_ep=_name_or_empty(group_ep), group_tp=_name_or_empty(group_tp), comm_alg=comm_alg,
+                  ep_world_size=ep_world_size, ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num,
+                  tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, expert_shard_type=expert_shard_type,
+                  shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
+                  quant_mode=quant_mode, global_bs=global_bs, expert_token_nums_type=expert_token_nums_type,
+                  zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
+                  const_expert_num=const_expert_num, y_dtype=_dtype_name("y_dtype", y_dtype),
+                  x_dtype=_dtype_name("x_dtype", x_dtype), scales_dtype=_dtype_name("scales_dtype", scales_dtype))
+        return _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout)
+
+    r = _collective("dispatch_v2", ep, tp, tp_world_size, prepare, _C.moe_dispatch_v2)
     expand_x, dynamic_scales, assist, token_nums, ep_counts, tp_counts, expand_scales, x_fmt, s_fmt = r
     return (as_format(expand_x, x_fmt), as_format(dynamic_scales, s_fmt), assist, token_nums, ep_counts, tp_counts,
             expand_scales)
 
 
-def _combine_kwargs(op, expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
-                    group_tp, ep_world_size, ep_rank_id, moe_expert_num, expand_idx, **rest):
-    assist = _assist(op, assist_info_for_combine, expand_idx)
-    _require(op, assist_info_for_combine=assist, ep_send_counts=ep_send_counts, expert_scales=expert_scales,
-             ep_world_size=ep_world_size, ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num)
-    return dict(expand_x=expand_x, expert_ids=expert_ids, assist_info_for_combine=assist,
-                ep_send_counts=ep_send_counts, expert_scales=expert_scales, group_ep=_name_or_empty(group_ep),
-                group_tp=_name_or_empty(group_tp), ep_world_size=ep_world_size, ep_rank_id=ep_rank_id,
-                moe_expert_num=moe_expert_num, **rest)
+# The binding's keywords of the combine family besides the ones _combine_call derives.
+_COMBINE_KEYS = ("expand_x", "expert_ids", "ep_send_counts", "expert_scales", "ep_world_size", "ep_rank_id",
+                 "moe_expert_num", "tp_send_counts", "x_active_mask", "expand_scales", "shared_expert_x",
+                 "elastic_info", "ori_x", "const_expert_alpha_1", "const_expert_alpha_2", "const_expert_v",
+                 "performance_info", "tp_world_size", "tp_rank_id", "expert_shard_type", "shared_expert_num",
+                 "shared_expert_rank_num", "global_bs", "comm_quant_mode", "comm_alg", "zero_expert_num",
+                 "copy_expert_num", "const_expert_num")
+_RMS_NORM_KEYS = ("residual_x", "gamma", "activation_scale", "weight_scale", "group_list", "out_dtype",
+                  "group_list_type")
+
+
+def _combine_call(op, core_op, a, keys, check=None):
+    """One call of the combine family from its arguments `a` (the wrapper's locals): the groups, then the
+    collective checks (`check` adds the operator's own) and the binding's call."""
+    ep, tp, tp_error = _groups_of(op, a["group_ep"], a["group_tp"], a["ep_group"], a["tp_group"],
+                                  a["tp_world_size"])
+
+    def prepare():
+        if tp_error is not None:
+            raise tp_error
+        assist = _assist(a["assist_info_for_combine"], a["expand_idx"])
+        _require(assist_info_for_combine=assist, **{k: a[k] for k in ("ep_send_counts", "expert_scales",
+                                                                       "ep_world_size", "ep_rank_id",
+                                                                       "moe_expert_num")})
+        kw = {k: a[k] for k in keys}
+        kw.update(assist_info_for_combine=assist, group_ep=_name_or_empty(a["group_ep"]),
+                  group_tp=_name_or_empty(a["group_tp"]))
+        if check is not None:
+            check(kw)
+        return _options(kw, a["strict_hardware_limits"], a["hccl_buffsize_mb"], a["timeout"])
+
+    return _collective(core_op, ep, tp, a["tp_world_size"], prepare, getattr(_C, "moe_" + core_op))
 
 
 def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine=None, ep_send_counts=None,
@@ -227,20 +279,7 @@ def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine=
                                   hccl_buffsize_mb=200, timeout=None, expand_idx=None):
     """Returns x (Bs, H) in expand_x's dtype. `expand_idx` is torch_npu's name for assist_info_for_combine;
     ep_send_counts/tp_send_counts are dispatch's ep_recv_counts/tp_recv_counts."""
-    op = "npu_moe_distribute_combine_v2"
-    kw = _combine_kwargs(op, expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
-                         group_tp, ep_world_size, ep_rank_id, moe_expert_num, expand_idx,
-                         tp_send_counts=tp_send_counts, x_active_mask=x_active_mask, expand_scales=expand_scales,
-                         shared_expert_x=shared_expert_x, elastic_info=elastic_info, ori_x=ori_x,
-                         const_expert_alpha_1=const_expert_alpha_1, const_expert_alpha_2=const_expert_alpha_2,
-                         const_expert_v=const_expert_v, performance_info=performance_info,
-                         tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, expert_shard_type=expert_shard_type,
-                         shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
-                         global_bs=global_bs, comm_quant_mode=comm_quant_mode, comm_alg=comm_alg,
-                         zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
-                         const_expert_num=const_expert_num)
-    ep, tp = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)
-    return _C.moe_combine_v2(ep, tp, _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout))
+    return _combine_call("npu_moe_distribute_combine_v2", "combine_v2", dict(locals()), _COMBINE_KEYS)
 
 
 def npu_moe_distribute_combine_add_rms_norm(expand_x, expert_ids, assist_info_for_combine=None,
@@ -260,23 +299,11 @@ def npu_moe_distribute_combine_add_rms_norm(expand_x, expert_ids, assist_info_fo
                                             expand_idx=None):
     """Returns (y, rstd, x): y = rms_norm(x + residual_x) * gamma (Bs,1,H), rstd (Bs,1,1) float32, and the
     combined x + residual_x (Bs,1,H)."""
-    op = "npu_moe_distribute_combine_add_rms_norm"
-    _require(op, residual_x=residual_x, gamma=gamma)
-    if not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps):
-        raise InvalidUsageError(f"{op}: argument: norm_eps: expected a finite number >= 0, got {norm_eps!r}")
-    kw = _combine_kwargs(op, expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
-                         group_tp, ep_world_size, ep_rank_id, moe_expert_num, expand_idx,
-                         residual_x=residual_x, gamma=gamma, norm_eps=float(norm_eps),
-                         tp_send_counts=tp_send_counts, x_active_mask=x_active_mask,
-                         activation_scale=activation_scale, weight_scale=weight_scale, group_list=group_list,
-                         expand_scales=expand_scales, shared_expert_x=shared_expert_x, elastic_info=elastic_info,
-                         ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
-                         const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
-                         performance_info=performance_info, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id,
-                         expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-                         shared_expert_rank_num=shared_expert_rank_num, global_bs=global_bs, out_dtype=out_dtype,
-                         comm_quant_mode=comm_quant_mode, group_list_type=group_list_type, comm_alg=comm_alg,
-                         zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
-                         const_expert_num=const_expert_num)
-    ep, tp = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)
-    return _C.moe_combine_add_rms_norm(ep, tp, _options(kw, strict_hardware_limits, hccl_buffsize_mb, timeout))
+    def check(kw):
+        _require(residual_x=residual_x, gamma=gamma)
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps):
+            raise InvalidUsageError(f"argument: norm_eps: expected a finite number >= 0, got {norm_eps!r}")
+        kw["norm_eps"] = float(norm_eps)
+
+    return _combine_call("npu_moe_distribute_combine_add_rms_norm", "combine_add_rms_norm", dict(locals()),
+                         _COMBINE_KEYS + _RMS_NORM_KEYS, check)

@@ -215,4 +215,20 @@ CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group, c
   return {plan.y, plan.rstd, plan.x};
 }
 
+void fail_call(Group& ep_group, Group* tp_group, const std::string& op, int64_t tp_world_size, ErrorCode code,
+               const std::string& message) {
+  static const std::pair<const char*, OpKind> kOps[] = {
+      {"dispatch_v2", OpKind::dispatch_v2},
+      {"combine_v2", OpKind::combine_v2},
+      {"combine_add_rms_norm", OpKind::combine_add_rms_norm}};
+  for (const auto& [name, kind] : kOps) {
+    if (op != name) continue;
+    Call call(kind, name, ep_group, tp_group, tp_world_size, std::nullopt);
+    call.fail_validation(Error(code, message));
+  }
+  EPCOMM_THROW(InvalidUsage, "epcomm[ep ", ep_group.rank(),
+               "] fail_call: argument: op: expected dispatch_v2, combine_v2 or combine_add_rms_norm, got '",
+               op, "'");
+}
+
 }  // namespace epcomm::moe

@@ -2,6 +2,8 @@
 // engine inputs and outputs (§2.4) they lead to.
 #include "api/distribute_v2_args.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -52,11 +54,27 @@ void check_int32(int64_t v, const char* name) {
                ": at most 2^31 - 1 is supported");
 }
 
-// A caller output buffer (§2.4): exact dtype, first dim >= required, other dims exact, contiguous.
+// The outputs of dispatch_v2 are sized from its validated layout: T·A_p rows of expand_x, scales and
+// expand_scales, 128·A_p assist_info entries, the counts. Every value may be legal alone while global_bs
+// (A_p) or moe_expert_num (L_p) asks for more memory than the host has: raise before anything is allocated.
+void check_output_bytes(const DispatchV2Args& a, int64_t A, double rows_bytes, int64_t Lp,
+                        const Layout& lay) {
+  const double need = rows_bytes + 512.0 * static_cast<double>(A) + (4.0 * lay.W * lay.T + 8.0) * Lp;
+  const double have =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  EPCOMM_CHECK(need <= have, "capacity: the outputs of this call take ", static_cast<int64_t>(need),
+               " bytes (A = ", A, " rows of receive capacity, from global_bs = ", a.global_bs,
+               ", Bs and min(L, K); L_p = ", Lp, " from moe_expert_num = ", a.moe_expert_num,
+               "), more than this host's memory (", static_cast<int64_t>(have),
+               " bytes); nothing was allocated");
+}
+
+// A caller output buffer (§2.4): exact dtype, first dim >= required, other dims exact, contiguous. Without
+// one, a zero-filled tensor from `alloc` (default_allocator() when null).
 Tensor output(const std::optional<Tensor>& given, const char* name, DType dtype, const Shape& shape,
-              std::initializer_list<DType> also_ok = {}) {
+              Allocator* alloc, std::initializer_list<DType> also_ok = {}) {
   if (!given) {
-    Tensor t = empty(dtype, shape);
+    Tensor t = empty(dtype, shape, alloc);
     if (t.nbytes()) std::memset(t.data(), 0, t.nbytes());
     return t;
   }
@@ -249,6 +267,160 @@ engine::v2::Params params_of(const Layout& lay, const LayoutArgs& c, int64_t H, 
   return p;
 }
 
+// expand_x's dtype (§5): x's in mode 0, else y_dtype where the mode allows it, else the mode's default.
+DType dispatch_out_dtype(const DispatchV2Args& a) {
+  const int64_t mode = a.quant_mode;
+  EPCOMM_CHECK(mode >= 0 && mode <= 4, "argument: quant_mode: expected 0 to 4, got ", mode);
+  const DType xdt = a.x.dtype();
+  auto allow = [&](std::initializer_list<DType> ok, DType def) {
+    if (!a.y_dtype) return def;
+    for (DType d : ok)
+      if (*a.y_dtype == d) return d;
+    std::string list;
+    for (DType d : ok) list += epcomm::detail::cat(list.empty() ? "" : " or ", dtype_name(d));
+    EPCOMM_THROW(InvalidUsage, "argument: y_dtype: ", dtype_name(*a.y_dtype),
+                 " is not allowed with quant_mode ", mode, ", expected ", list);
+  };
+  switch (mode) {
+    case 0:
+      return allow({xdt}, xdt);
+    case 1:
+      return allow({DType::i8}, DType::i8);
+    case 2:
+      return allow({DType::i8, DType::f8e4m3, DType::f8e5m2}, DType::i8);
+    default:
+      return allow({DType::f8e4m3, DType::f8e5m2}, DType::f8e4m3);
+  }
+}
+
+// The smoothing `scales` of quant modes 1-3 (§5): a scalar, an (H,) vector or an (S+E, H) table.
+void read_smoothing(const DispatchV2Args& a, int64_t H, int64_t table_rows, DispatchPlan& p) {
+  const int64_t mode = a.quant_mode;
+  auto& in = p.in;
+  in.smooth = {};
+  if (a.scales) {
+    const Tensor& s = *a.scales;
+    EPCOMM_CHECK(mode >= 1 && mode <= 3, "argument: scales: must be absent with quant_mode ", mode, ", got ",
+                 describe(s));
+    check_dtype(s, "scales", {DType::f32});
+    using Kind = engine::v2::SmoothingSource::Kind;
+    Kind kind;
+    if (mode == 1 && s.dim() == 1 && s.size(0) == 1)
+      kind = Kind::scalar;
+    else if (mode == 1 && s.dim() == 1 && s.size(0) == H)
+      kind = Kind::vector;
+    else if (s.dim() == 2 && s.size(0) == table_rows && s.size(1) == H)
+      kind = Kind::table;
+    else
+      EPCOMM_THROW(InvalidUsage, "argument: scales: shape ", shape_str(s.shape()), ", expected ",
+                   mode == 1 ? epcomm::detail::cat("(1,), (H,) = (", H, ",) or ") : std::string(),
+                   "(shared_expert_num + moe_expert_num, H) = (", table_rows, ", ", H, ")");
+    in.smooth.kind = kind;
+    if (s.is_contiguous()) {
+      in.smooth.data = s.data_as<float>();
+    } else {
+      const int64_t rows = s.dim() == 2 ? s.size(0) : 1, cols = s.dim() == 2 ? s.size(1) : s.size(0);
+      p.scales_copy.resize(static_cast<size_t>(rows * cols));
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j)
+          p.scales_copy[i * cols + j] = s.dim() == 2 ? at<float>(s, i, j) : at<float>(s, j);
+      in.smooth.data = p.scales_copy.data();
+    }
+  } else {
+    EPCOMM_CHECK(mode != 1,
+                 "argument: scales: quant_mode 1 (static int8) needs scales of shape (1,), (H,) or (",
+                 table_rows, ", H), got None");
+  }
+}
+
+// The outputs of §2.4: the caller's buffers, checked, or zero-filled tensors from o.allocator once their
+// total size is known to fit this host.
+void allocate_dispatch_outputs(const DispatchV2Args& a, const OpOptions& o, const Layout& lay, DType out_dt,
+                               int64_t H, DispatchPlan& p) {
+  const int64_t mode = a.quant_mode;
+  const auto& in = p.in;
+  const int me = in.me;
+  p.A = lay.capacity(me);
+  const int64_t rows = lay.T * p.A;
+  const int Lp = lay.local_experts(me);
+  check_output_bytes(a, p.A,
+                     static_cast<double>(rows) *
+                         static_cast<double>(in.fmt.data_bytes + in.fmt.scale_bytes + sizeof(float) * 2),
+                     Lp, lay);
+  Allocator* alloc = o.allocator.get();
+  DispatchV2Result& r = p.result;
+  r.expand_x = output(a.expand_x_out, "expand_x_out", out_dt, {rows, H}, alloc);
+  if (mode == 3)
+    r.dynamic_scales =
+        output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows, ceil_div(H, 128)}, alloc);
+  else if (mode == 4)
+    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::u8,
+                              {rows, static_cast<int64_t>(in.fmt.scale_bytes)}, alloc, {DType::e8m0});
+  else
+    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows}, alloc);
+  r.assist_info_for_combine =
+      output(a.assist_info_for_combine_out, "assist_info_for_combine_out", DType::i32, {p.A * 128}, alloc);
+  r.expert_token_nums = output(a.expert_token_nums_out, "expert_token_nums_out", DType::i64, {Lp}, alloc);
+  r.ep_recv_counts = output(a.ep_recv_counts_out, "ep_recv_counts_out", DType::i32,
+                            {static_cast<int64_t>(lay.W) * lay.T * Lp}, alloc);
+  r.tp_recv_counts = output(a.tp_recv_counts_out, "tp_recv_counts_out", DType::i32, {a.tp_world_size}, alloc);
+  r.expand_scales =
+      output(a.expand_scales_out, "expand_scales_out", DType::f32, {a.expert_scales ? rows : 0}, alloc);
+}
+
+// Reserved inputs of combine (§8.2, Appendix A) and comm_quant_mode.
+void check_combine_reserved(const CombineV2Args& a, int64_t H) {
+  check_absent(a.activation_scale, "activation_scale");
+  check_absent(a.weight_scale, "weight_scale");
+  check_absent(a.group_list, "group_list");
+  check_absent(a.performance_info, "performance_info");
+  check_absent(a.elastic_info, "elastic_info");
+  check_absent(a.ori_x, "ori_x");
+  check_absent(a.const_expert_alpha_1, "const_expert_alpha_1");
+  check_absent(a.const_expert_alpha_2, "const_expert_alpha_2");
+  check_absent(a.const_expert_v, "const_expert_v");
+  check_zero(a.out_dtype, "out_dtype");
+  check_zero(a.group_list_type, "group_list_type");
+  check_zero(a.zero_expert_num, "zero_expert_num");
+  check_zero(a.copy_expert_num, "copy_expert_num");
+  check_zero(a.const_expert_num, "const_expert_num");
+  EPCOMM_CHECK(a.comm_quant_mode != 3 && a.comm_quant_mode != 4,
+               "argument: comm_quant_mode: not supported by epcomm yet (MXFP8 combine, modes 3 and 4), got ",
+               a.comm_quant_mode);
+  EPCOMM_CHECK(a.comm_quant_mode == 0 || a.comm_quant_mode == 2,
+               "argument: comm_quant_mode: expected 0 or 2, got ", a.comm_quant_mode);
+  EPCOMM_CHECK(a.comm_quant_mode != 2 || H % 8 == 0,
+               "argument: comm_quant_mode = 2 needs H % 8 == 0, got H = ", H);
+}
+
+// combine's outputs (x; y and rstd for combine_add_rms_norm, whose residual_x, gamma and norm_eps are
+// checked here): the caller's buffers, checked, or zero-filled tensors from o.allocator.
+void combine_outputs(const CombineV2Args& a, const CombineAddRmsNormArgs* norm, const OpOptions& o,
+                     int64_t bs, int64_t H, DType dt, CombinePlan& p) {
+  auto& in = p.in;
+  Allocator* alloc = o.allocator.get();
+  if (!norm) {
+    p.x = output(a.x_out, "x_out", dt, {bs, H}, alloc);
+  } else {
+    const Tensor& res = norm->residual_x;
+    EPCOMM_CHECK(res.defined(), "argument: residual_x: expected (Bs, 1, H), got None");
+    check_dtype(res, "residual_x", {dt});
+    check_shape(res, "residual_x", {bs, 1, H}, "(Bs, 1, H)");
+    const Tensor& g = norm->gamma;
+    EPCOMM_CHECK(g.defined(), "argument: gamma: expected (H,), got None");
+    check_dtype(g, "gamma", {dt});
+    check_shape(g, "gamma", {H}, "(H,)");
+    EPCOMM_CHECK(std::isfinite(norm->norm_eps) && norm->norm_eps >= 0,
+                 "argument: norm_eps: expected finite >= 0, got ", norm->norm_eps);
+    in.residual = packed_rows(res, bs, H, p.residual_copy);
+    in.gamma = packed_rows(g, 1, H, p.gamma_copy);
+    in.norm_eps = norm->norm_eps;
+    p.y = output(norm->y_out, "y_out", dt, {bs, 1, H}, alloc);
+    p.rstd = output(norm->rstd_out, "rstd_out", DType::f32, {bs, 1, 1}, alloc);
+    p.x = output(a.x_out, "x_out", dt, {bs, 1, H}, alloc);
+  }
+}
+
 }  // namespace
 
 void check_product_name(const OpOptions& o) {
@@ -284,76 +456,9 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
 
   // Quantization (§5).
   const int64_t mode = a.quant_mode;
-  EPCOMM_CHECK(mode >= 0 && mode <= 4, "argument: quant_mode: expected 0 to 4, got ", mode);
-  const DType xdt = a.x.dtype();
-  DType out_dt = xdt;
-  auto allow = [&](std::initializer_list<DType> ok) {
-    if (!a.y_dtype) return;
-    for (DType d : ok)
-      if (*a.y_dtype == d) return;
-    std::string list;
-    for (DType d : ok) list += epcomm::detail::cat(list.empty() ? "" : " or ", dtype_name(d));
-    EPCOMM_THROW(InvalidUsage, "argument: y_dtype: ", dtype_name(*a.y_dtype),
-                 " is not allowed with quant_mode ", mode, ", expected ", list);
-  };
-  switch (mode) {
-    case 0:
-      allow({xdt});
-      out_dt = xdt;
-      break;
-    case 1:
-      allow({DType::i8});
-      out_dt = DType::i8;
-      break;
-    case 2:
-      allow({DType::i8, DType::f8e4m3, DType::f8e5m2});
-      out_dt = a.y_dtype.value_or(DType::i8);
-      break;
-    case 3:
-      allow({DType::f8e4m3, DType::f8e5m2});
-      out_dt = a.y_dtype.value_or(DType::f8e4m3);
-      break;
-    case 4:
-      allow({DType::f8e4m3, DType::f8e5m2});
-      out_dt = a.y_dtype.value_or(DType::f8e4m3);
-      break;
-  }
+  const DType xdt = a.x.dtype(), out_dt = dispatch_out_dtype(a);
   auto& in = p.in;
-  in.smooth = {};
-  const int64_t table_rows = lay.S + lay.E;
-  if (a.scales) {
-    const Tensor& s = *a.scales;
-    EPCOMM_CHECK(mode >= 1 && mode <= 3, "argument: scales: must be absent with quant_mode ", mode, ", got ",
-                 describe(s));
-    check_dtype(s, "scales", {DType::f32});
-    using Kind = engine::v2::SmoothingSource::Kind;
-    Kind kind;
-    if (mode == 1 && s.dim() == 1 && s.size(0) == 1)
-      kind = Kind::scalar;
-    else if (mode == 1 && s.dim() == 1 && s.size(0) == H)
-      kind = Kind::vector;
-    else if (s.dim() == 2 && s.size(0) == table_rows && s.size(1) == H)
-      kind = Kind::table;
-    else
-      EPCOMM_THROW(InvalidUsage, "argument: scales: shape ", shape_str(s.shape()), ", expected ",
-                   mode == 1 ? epcomm::detail::cat("(1,), (H,) = (", H, ",) or ") : std::string(),
-                   "(shared_expert_num + moe_expert_num, H) = (", table_rows, ", ", H, ")");
-    in.smooth.kind = kind;
-    if (s.is_contiguous()) {
-      in.smooth.data = s.data_as<float>();
-    } else {
-      const int64_t rows = s.dim() == 2 ? s.size(0) : 1, cols = s.dim() == 2 ? s.size(1) : s.size(0);
-      p.scales_copy.resize(static_cast<size_t>(rows * cols));
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j)
-          p.scales_copy[i * cols + j] = s.dim() == 2 ? at<float>(s, i, j) : at<float>(s, j);
-      in.smooth.data = p.scales_copy.data();
-    }
-  } else {
-    EPCOMM_CHECK(mode != 1,
-                 "argument: scales: quant_mode 1 (static int8) needs scales of shape (1,), (H,) or (",
-                 table_rows, ", H), got None");
-  }
+  read_smoothing(a, H, lay.S + lay.E, p);
 
   in.lay = lay;
   in.me = static_cast<int>(a.ep_rank_id);
@@ -393,31 +498,9 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
   for_strict.mask_dims = routing.mask_dims;
   check_strict_dispatch(o, a, lay, for_strict, H);
 
-  // Outputs (§2.4).
   p.tp_world_size = static_cast<int>(a.tp_world_size);
   p.tp_rank = static_cast<int>(a.tp_rank_id);
-  const int me = in.me;
-  p.A = lay.capacity(me);
-  const int64_t rows = lay.T * p.A;
-  const int Lp = lay.local_experts(me);
-  DispatchV2Result& r = p.result;
-  r.expand_x = output(a.expand_x_out, "expand_x_out", out_dt, {rows, H});
-  if (mode == 3)
-    r.dynamic_scales =
-        output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows, ceil_div(H, 128)});
-  else if (mode == 4)
-    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::u8,
-                              {rows, static_cast<int64_t>(in.fmt.scale_bytes)}, {DType::e8m0});
-  else
-    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows});
-  r.assist_info_for_combine =
-      output(a.assist_info_for_combine_out, "assist_info_for_combine_out", DType::i32, {p.A * 128});
-  r.expert_token_nums = output(a.expert_token_nums_out, "expert_token_nums_out", DType::i64, {Lp});
-  r.ep_recv_counts = output(a.ep_recv_counts_out, "ep_recv_counts_out", DType::i32,
-                            {static_cast<int64_t>(lay.W) * lay.T * Lp});
-  r.tp_recv_counts = output(a.tp_recv_counts_out, "tp_recv_counts_out", DType::i32, {a.tp_world_size});
-  r.expand_scales =
-      output(a.expand_scales_out, "expand_scales_out", DType::f32, {a.expert_scales ? rows : 0});
+  allocate_dispatch_outputs(a, o, lay, out_dt, H, p);
 }
 
 void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const CombineAddRmsNormArgs* norm,
@@ -440,28 +523,7 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
   const int64_t bs = routing.bs;
   const int K = lay.K;
 
-  // Reserved inputs.
-  check_absent(a.activation_scale, "activation_scale");
-  check_absent(a.weight_scale, "weight_scale");
-  check_absent(a.group_list, "group_list");
-  check_absent(a.performance_info, "performance_info");
-  check_absent(a.elastic_info, "elastic_info");
-  check_absent(a.ori_x, "ori_x");
-  check_absent(a.const_expert_alpha_1, "const_expert_alpha_1");
-  check_absent(a.const_expert_alpha_2, "const_expert_alpha_2");
-  check_absent(a.const_expert_v, "const_expert_v");
-  check_zero(a.out_dtype, "out_dtype");
-  check_zero(a.group_list_type, "group_list_type");
-  check_zero(a.zero_expert_num, "zero_expert_num");
-  check_zero(a.copy_expert_num, "copy_expert_num");
-  check_zero(a.const_expert_num, "const_expert_num");
-  EPCOMM_CHECK(a.comm_quant_mode != 3 && a.comm_quant_mode != 4,
-               "argument: comm_quant_mode: not supported by epcomm yet (MXFP8 combine, modes 3 and 4), got ",
-               a.comm_quant_mode);
-  EPCOMM_CHECK(a.comm_quant_mode == 0 || a.comm_quant_mode == 2,
-               "argument: comm_quant_mode: expected 0 or 2, got ", a.comm_quant_mode);
-  EPCOMM_CHECK(a.comm_quant_mode != 2 || H % 8 == 0,
-               "argument: comm_quant_mode = 2 needs H % 8 == 0, got H = ", H);
+  check_combine_reserved(a, H);
 
   // Counts and rows.
   const int Lp = lay.local_experts(me);
@@ -552,26 +614,7 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
   for_strict.mask_dims = routing.mask_dims;
   check_strict_combine(o, a, lay, for_strict, H, dt, norm != nullptr);
 
-  if (!norm) {
-    p.x = output(a.x_out, "x_out", dt, {bs, H});
-  } else {
-    const Tensor& res = norm->residual_x;
-    EPCOMM_CHECK(res.defined(), "argument: residual_x: expected (Bs, 1, H), got None");
-    check_dtype(res, "residual_x", {dt});
-    check_shape(res, "residual_x", {bs, 1, H}, "(Bs, 1, H)");
-    const Tensor& g = norm->gamma;
-    EPCOMM_CHECK(g.defined(), "argument: gamma: expected (H,), got None");
-    check_dtype(g, "gamma", {dt});
-    check_shape(g, "gamma", {H}, "(H,)");
-    EPCOMM_CHECK(std::isfinite(norm->norm_eps) && norm->norm_eps >= 0,
-                 "argument: norm_eps: expected finite >= 0, got ", norm->norm_eps);
-    in.residual = packed_rows(res, bs, H, p.residual_copy);
-    in.gamma = packed_rows(g, 1, H, p.gamma_copy);
-    in.norm_eps = norm->norm_eps;
-    p.y = output(norm->y_out, "y_out", dt, {bs, 1, H});
-    p.rstd = output(norm->rstd_out, "rstd_out", DType::f32, {bs, 1, 1});
-    p.x = output(a.x_out, "x_out", dt, {bs, 1, H});
-  }
+  combine_outputs(a, norm, o, bs, H, dt, p);
 }
 
 }  // namespace epcomm::moe::detail

@@ -169,3 +169,142 @@ class Problem:
         if order == "rank_major" and g_of is None:
             cw = None
         return cx, cw
+
+
+# ---- the operator family (spec distribute-v2.md §3, §4.2, §6), mode 0 and combine comm_quant_mode 0 / 2 -----
+
+class V2Layout:
+    """Rank layout of §3 (expert_shard_type 0): W ranks, the first Sr of them shared-expert ranks serving S
+    shared experts with R = Sr / S replicas each, E MoE experts in blocks of L on the others; top-K routing;
+    bs = Bs when global_bs is 0."""
+
+    def __init__(self, W, E, K, Sr=0, S=0, global_bs=0, bs=0):
+        self.W, self.E, self.K, self.Sr = W, E, K, Sr
+        self.S = S if Sr > 0 else 0
+        self.R = Sr // self.S if self.S else 1
+        self.L = E // (W - Sr)
+        self.max_bs = global_bs // W if global_bs > 0 else bs
+        self.G = global_bs if global_bs > 0 else bs * W
+
+    def shared(self, p):
+        return p < self.Sr
+
+    def capacity(self, p):
+        """A_p: the receive capacity of rank p (§3)."""
+        if self.shared(p):
+            return self.max_bs * -(-self.W // self.R)
+        return self.G * min(self.L, self.K)
+
+    def local_experts(self, p):
+        return 1 if self.shared(p) else self.L
+
+
+def v2_activity(ids, mask):
+    """(active_tok [Bs] bool list, active_slot [Bs][K] bool lists) of §4.1."""
+    Bs, K = ids.shape
+    if mask is None:
+        return [True] * Bs, [[True] * K for _ in range(Bs)]
+    if mask.dim() == 1:
+        n = int(mask.sum())
+        return [t < n for t in range(Bs)], [[t < n] * K for t in range(Bs)]
+    slots = [[bool(mask[t, k]) for k in range(K)] for t in range(Bs)]
+    return [any(s) for s in slots], slots
+
+
+def v2_dispatch_rows(lay, xs, idss, masks, p):
+    """The rows rank p receives (§4.2): a list of (r, t, slot, row tensor), and cnt (the inclusive running
+    totals of ep_recv_counts)."""
+    rows, cnt = [], []
+    W, K = lay.W, lay.K
+    act = [v2_activity(idss[r], masks[r]) for r in range(W)]
+    if not lay.shared(p):
+        m = p - lay.Sr
+        for el in range(lay.L):
+            e = m * lay.L + el
+            for r in range(W):
+                tok, slot = act[r]
+                for t in range(idss[r].shape[0]):
+                    for k in range(K):
+                        if slot[t][k] and int(idss[r][t, k]) == e:
+                            rows.append((r, t, k, xs[r][t]))
+                cnt.append(len(rows))
+    else:
+        s = p // lay.R
+        for r in range(W):
+            if r % lay.R == p % lay.R:
+                tok, _ = act[r]
+                for t in range(idss[r].shape[0]):
+                    if tok[t]:
+                        rows.append((r, t, K + s, xs[r][t]))
+            cnt.append(len(rows))
+    return rows, cnt
+
+
+def v2_dispatch(lay, xs, idss, masks, scaless, p, token_nums_type=1):
+    """Every output of dispatch_v2 on rank p in mode 0 (tp_world_size 0), full tensors with zero tails:
+    (expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts,
+    expand_scales). scaless[r] is rank r's expert_scales or None (then expand_scales is (0,))."""
+    rows, cnt = v2_dispatch_rows(lay, xs, idss, masks, p)
+    A, H = lay.capacity(p), xs[p].shape[1]
+    expand_x = torch.zeros(A, H, dtype=xs[p].dtype)
+    assist = torch.zeros(A * 128, dtype=torch.int32)
+    with_scales = scaless[p] is not None
+    expand_scales = torch.zeros(A if with_scales else 0, dtype=torch.float32)
+    for i, (r, t, slot, row) in enumerate(rows):
+        expand_x[i] = row
+        assist[3 * i:3 * i + 3] = torch.tensor([r, t, slot], dtype=torch.int32)
+        if with_scales:  # a sender without expert_scales sends 0.0 (the spec leaves it open)
+            expand_scales[i] = 1.0 if slot >= lay.K else scaless[r][t, slot] if scaless[r] is not None else 0.0
+    W = lay.W
+    if lay.shared(p):
+        nums = [len(rows)]
+    else:
+        ends = [cnt[el * W + W - 1] for el in range(lay.L)]
+        nums = ends if token_nums_type == 0 else [e - (ends[el - 1] if el else 0) for el, e in enumerate(ends)]
+    return (expand_x, torch.zeros(A, dtype=torch.float32), assist, torch.tensor(nums, dtype=torch.int64),
+            torch.tensor(cnt, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), expand_scales)
+
+
+def comm_quant_int8_g8(y):
+    """combine_v2's comm_quant_mode 2 (§6, quant.md "int8 group-8"): what the receiver decodes from rows y
+    [n, H] (bf16/f16, H % 8 == 0), in y's dtype."""
+    n, H = y.shape
+    f = y.float().reshape(n, H // 8, 8)
+    a = f.abs().amax(dim=2, keepdim=True)
+    s32 = a * torch.tensor(1.0 / 127, dtype=torch.float32)
+    sigma = s32.to(y.dtype).float()
+    q = torch.where(a > 0, torch.round(f / torch.where(a > 0, s32, torch.ones_like(s32))), torch.zeros_like(f))
+    return (q * sigma).to(y.dtype).reshape(n, H)
+
+
+def v2_combine(lay, r, ids, mask, expert_scales, holders, comm_quant=0, shared_x=None):
+    """combine_v2's x on origin r (§6): holders[d] = (expand_x, assist_info, n_own) of every rank d, the rows
+    it returns. ids, mask, expert_scales and shared_x are rank r's. Each product rounds to fp32, then adds;
+    one rounding at the end; inactive tokens give zero rows."""
+    Bs, K = ids.shape
+    dt = holders[r][0].dtype
+    H = holders[r][0].shape[1]
+    recv = {}
+    for d, (ex, assist, n_own) in enumerate(holders):
+        rows = ex[:n_own]
+        if comm_quant == 2 and n_own:
+            rows = comm_quant_int8_g8(rows)
+        for i in range(n_own):
+            src, t, slot = (int(v) for v in assist[3 * i:3 * i + 3])
+            if src == r:
+                recv[(t, slot)] = rows[i]
+    tok, slot = v2_activity(ids, mask)
+    out = torch.zeros(Bs, H, dtype=dt)
+    for t in range(Bs):
+        if not tok[t]:
+            continue
+        acc = torch.zeros(H, dtype=torch.float32)
+        for k in range(K):
+            if slot[t][k]:
+                acc = acc + recv[(t, k)].float() * expert_scales[t, k]
+        for s in range(lay.S):
+            acc = acc + recv[(t, K + s)].float()
+        if shared_x is not None:
+            acc = acc + shared_x.reshape(Bs, H)[t].float()
+        out[t] = acc.to(dt)
+    return out

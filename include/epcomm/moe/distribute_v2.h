@@ -74,6 +74,9 @@ struct OpOptions {
   std::string strict_hardware_limits;                // "", "A2", "A3" or "950" (§9)
   int64_t hccl_buffsize_mb = 200;                    // §9 window rule only; HCCL_BUFFSIZE is never read
   std::optional<std::chrono::milliseconds> timeout;  // default: the group's timeout
+  // Allocates the outputs the caller gives no *_out buffer for, once every argument has been checked;
+  // default_allocator() when null.
+  std::shared_ptr<Allocator> allocator;
 };
 
 struct DispatchV2Args {
@@ -129,5 +132,13 @@ struct CombineAddRmsNormResult {
 CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group,
                                              const CombineAddRmsNormArgs& args,
                                              const OpOptions& options = {});
+
+// For callers that check arguments before they can build the argument struct (a language binding): makes the
+// call `op` ("dispatch_v2", "combine_v2" or "combine_add_rms_norm") fail on every rank instead of leaving
+// this rank one call behind its peers. Takes the call's sequence number on ep_group (and on tp_group when
+// tp_world_size = 2), publishes a failed header there so that the peers' same call raises Aborted quoting
+// `message`, and throws Error(code, "<prefix><message>") here. The groups stay usable.
+[[noreturn]] void fail_call(Group& ep_group, Group* tp_group, const std::string& op, int64_t tp_world_size,
+                            ErrorCode code, const std::string& message);
 
 }  // namespace epcomm::moe
