@@ -10,6 +10,11 @@ function(epcomm_add_unit_test file)
   target_link_libraries(${name} PRIVATE epcomm epcomm_testsupport GTest::gtest_main ${ARG_LIBS})
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
   gtest_discover_tests(${name} TEST_PREFIX "${name}." PROPERTIES LABELS unit DISCOVERY_TIMEOUT 60)
+  # `epcomm_unit_tests` builds every unit test program (what the `unit` label runs) and nothing else.
+  if(NOT TARGET epcomm_unit_tests)
+    add_custom_target(epcomm_unit_tests)
+  endif()
+  add_dependencies(epcomm_unit_tests ${name})
 endfunction()
 
 # epcomm_add_multirank_test(<case> LAUNCHERS thread fork NP 1 2 4 [TIMEOUT s] [LABELS extra...]

@@ -1,4 +1,4 @@
-// epcomm/buffer.h — the normal-mode Buffer: get_dispatch_layout, dispatch and combine (spec/normal-mode.md).
+// epcomm/buffer.h — the normal-mode Buffer: get_dispatch_layout, dispatch and combine (docs/normal-mode.md).
 // A Buffer is created collectively over a Group and owns this rank's shared-memory segment and one
 // communication thread. Its methods are called from one host thread at a time; separate Buffers are
 // independent. dispatch and combine are collective: every rank calls them in the same order.

@@ -1,4 +1,4 @@
-// epcomm/quant.h — quantize and dequantize your own tensors in the formats epcomm sends (spec/quant.md), and
+// epcomm/quant.h — quantize and dequantize your own tensors in the formats epcomm sends (docs/quant.md), and
 // the scalar element conversions (epcomm/quant_element.h). Bit-exact with what dispatch puts on the wire.
 #pragma once
 
@@ -30,9 +30,9 @@ struct QuantOptions {
 // the mode forbids (MX modes need H % 32 == 0).
 std::pair<Tensor, Tensor> quantize(const Tensor& x, QuantMode mode, const QuantOptions& options = {});
 
-// Inverse of quantize (quant.md §4): returns a new contiguous [T,H] tensor of dtype `out` (f32, bf16 or f16;
-// bf16/f16 are the RNE roundings of the fp32 dequantized value). `data` must be contiguous with the dtype and
-// shape quantize returns for `mode`; `scales` may have any strides, and MX scales may also be flat
+// Inverse of quantize (docs/quant.md): returns a new contiguous [T,H] tensor of dtype `out` (f32, bf16 or
+// f16; bf16/f16 are the RNE roundings of the fp32 dequantized value). `data` must be contiguous with the
+// dtype and shape quantize returns for `mode`; `scales` may have any strides, and MX scales may also be flat
 // [T * H/32]. For mode bf16 `scales` is ignored. Throws Error(InvalidUsage) listing the expected and received
 // dtypes/shapes when they do not match `mode`, or for an unsupported `out`.
 Tensor dequantize(const Tensor& data, const Tensor& scales, QuantMode mode, DType out = DType::f32,

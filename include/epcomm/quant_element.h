@@ -1,4 +1,4 @@
-// epcomm/quant_element.h — scalar number-format conversions of spec/quant.md §2 (bf16, fp16, fp8, fp4, e8m0,
+// epcomm/quant_element.h — scalar number-format conversions of docs/quant.md (bf16, fp16, fp8, fp4, e8m0,
 // HiFloat8, int8), header-only and branch-light so that loops calling them auto-vectorize. Bit-exact per
 // spec.
 #pragma once
@@ -15,12 +15,12 @@
 #endif
 
 // Every function here is pure, thread-safe and never throws. Codes are raw bit patterns (uint8_t/uint16_t);
-// "decode" widens a code to its exact binary32 value. Results are specified bit for bit by spec/quant.md,
+// "decode" widens a code to its exact binary32 value. Results are specified bit for bit by docs/quant.md,
 // need IEEE binary32 arithmetic in round-to-nearest-even with subnormals honoured (no FTZ/DAZ), and hold for
 // any compiler that does not contract or reassociate floating-point operations.
 namespace epcomm {
 
-// Overflow policy of the fp8 and HiFloat8 encoders (quant.md §2.2, §2.6). `sat` maps finite overflow and ±Inf
+// Overflow policy of the fp8 and HiFloat8 encoders (docs/quant.md). `sat` maps finite overflow and ±Inf
 // to ±max finite; `nosat` gives the format's Inf (e5m2, hif8) or NaN code (e4m3). Block quantizers use `sat`;
 // for HiFloat8 `nosat` is the format's default mode.
 enum class Saturation { sat, nosat };
@@ -84,7 +84,7 @@ constexpr std::array<uint32_t, 256> make_e5m2_table() {
   return t;
 }
 
-// HiFloat8 (quant.md §2.6): sign bit 7, then a prefix selecting the exponent width.
+// HiFloat8 (docs/quant.md): sign bit 7, then a prefix selecting the exponent width.
 constexpr std::array<uint32_t, 256> make_hif8_table() {
   std::array<uint32_t, 256> t{};
   for (uint32_t c = 0; c < 256; ++c) {
@@ -130,7 +130,7 @@ inline constexpr std::array<float, 16> kE2m1Values = {0.0f,  0.5f,  1.0f,  1.5f,
 
 }  // namespace quant_detail
 
-// ---- bf16 (quant.md §2.1) ----
+// ---- bf16 (docs/quant.md) ----
 
 // fp32 -> bf16 bits, round to nearest even; overflow gives ±Inf, subnormals are rounded; NaN gives 0x7FC0.
 EPCOMM_QUANT_INLINE uint16_t to_bf16_bits(float f) {
@@ -146,7 +146,7 @@ EPCOMM_QUANT_INLINE float bf16_to_float(uint16_t b) {
   return quant_detail::from_bits(static_cast<uint32_t>(b) << 16);
 }
 
-// ---- fp16 (quant.md §2.1) ----
+// ---- fp16 (docs/quant.md) ----
 
 // fp32 -> IEEE binary16 bits, RNE with gradual underflow; |x| >= 65520 and ±Inf give ±Inf; NaN gives 0x7E00.
 EPCOMM_QUANT_INLINE uint16_t to_fp16_bits(float f) {
@@ -176,7 +176,7 @@ EPCOMM_QUANT_INLINE float fp16_to_float(uint16_t h) {
   return quant_detail::from_bits(r | sign);
 }
 
-// ---- fp8 e4m3 / e5m2 (quant.md §2.2) ----
+// ---- fp8 e4m3 / e5m2 (docs/quant.md) ----
 
 // fp32 -> e4m3 code, RNE with gradual underflow. sat: |x| > 464 and ±Inf give ±448 (0x7E/0xFE);
 // nosat: they give sign|0x7F. NaN gives 0x7F.
@@ -214,7 +214,7 @@ EPCOMM_QUANT_INLINE float decode_e5m2(uint8_t c) {
   return quant_detail::from_bits(quant_detail::kE5m2Bits[c]);
 }
 
-// ---- fp4 e2m1 and f4x2 packing (quant.md §2.3) ----
+// ---- fp4 e2m1 and f4x2 packing (docs/quant.md) ----
 
 // fp32 -> e2m1 code (low 4 bits), RNE on the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6 (Inf too);
 // the sign is kept (−0 gives 0x8); NaN gives 0x0.
@@ -242,7 +242,7 @@ EPCOMM_QUANT_INLINE uint8_t f4x2_high(uint8_t byte) {
   return byte >> 4;
 }
 
-// ---- e8m0 scale byte (quant.md §2.5) ----
+// ---- e8m0 scale byte (docs/quant.md) ----
 
 // 2^(s-127) exactly: s = 0 gives 2^-127 (0x00400000); 0xFF gives NaN (0x7FC00000).
 EPCOMM_QUANT_INLINE float e8m0_decode(uint8_t s) {
@@ -263,7 +263,7 @@ EPCOMM_QUANT_INLINE uint8_t e8m0_ceil(float t) {
   return static_cast<uint8_t>(e == 255 ? 0xFFu : r);
 }
 
-// ---- HiFloat8 (quant.md §2.6) ----
+// ---- HiFloat8 (docs/quant.md) ----
 
 // fp32 -> hif8 code, rounding half away from zero. NaN gives 0x80; |x| < 2^-23 gives 0x00 (no −0);
 // |x| >= 40960 and ±Inf give ±Inf (0x6F/0xEF), or ±32768 (0x6E/0xEE) with Saturation::sat.
@@ -300,7 +300,7 @@ EPCOMM_QUANT_INLINE float decode_hif8(uint8_t c) {
   return quant_detail::from_bits(quant_detail::kHif8Bits[c]);
 }
 
-// ---- int8 (quant.md §2.7) ----
+// ---- int8 (docs/quant.md) ----
 
 // clamp(RNE_int(v), lo, hi) with NaN -> 0, for integer bounds -128 <= lo <= 0 <= hi <= 127.
 EPCOMM_QUANT_INLINE int8_t int8_sat(float v, int32_t lo, int32_t hi) {

@@ -25,7 +25,7 @@ PLAIN = {
 }
 TORCH_OF = {name: dtype for dtype, name in PLAIN.items()}
 
-# The data and scale formats of each quant mode (normal-mode spec §4.6).
+# The data and scale formats of each quant mode (docs/normal-mode.md).
 MODE_DATA = {
     "int8": "i8",
     "pertoken_fp8_e4m3": "f8e4m3",

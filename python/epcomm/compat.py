@@ -1,4 +1,4 @@
-"""A Buffer's flavor and the Ascend port's environment switches (compat.md §1, §3; docs/python.md, "Flavors"
+"""A Buffer's flavor and the Ascend port's environment switches (docs/python.md, "Flavors"
 and "Porting"). Switches are read when a call is made, not at import."""
 import math
 import os

@@ -1,4 +1,4 @@
-"""EventOverlap: completion of an asynchronous dispatch or combine (spec §2.4)."""
+"""EventOverlap: completion of an asynchronous dispatch or combine (docs/normal-mode.md)."""
 
 
 class EventOverlap:

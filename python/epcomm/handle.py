@@ -1,4 +1,4 @@
-"""Handle: what dispatch returns for combine and cached re-dispatch (spec normal-mode.md §4.8, compat.md §2).
+"""Handle: what dispatch returns for combine and cached re-dispatch (docs/normal-mode.md, docs/python.md).
 
 A Handle is tuple-like with the positional items of the peer its Buffer's flavor follows (docs/python.md,
 "Positional handle items"): DeepEP's 6 items on one node and 10 across nodes (flavor "deepep"), the Ascend
@@ -110,7 +110,7 @@ class Handle(tuple):
             self._items[name] = getattr(self, "_item_" + name)()
         return self._items[name]
 
-    # ---- positional items (compat.md §2; one channel) -----------------------------------------------------
+    # ---- positional items (docs/python.md; one channel) -----------------------------------------------------
 
     def _rows(self):
         """[R, R] int64: rows receiver d got from source s at [s, d], PAD excluded."""
@@ -215,7 +215,7 @@ class Handle(tuple):
     def _item_hidden_shape(self):
         return [self.num_tokens, self._done().hidden]
 
-    # ---- named accessors (normal-mode.md §4.8) ------------------------------------------------------------
+    # ---- named accessors (docs/normal-mode.md) ------------------------------------------------------------
 
     @property
     def flavor(self):

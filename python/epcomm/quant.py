@@ -1,4 +1,4 @@
-"""quantize / dequantize: the number formats dispatch puts on the wire (spec quant.md), bit for bit."""
+"""quantize / dequantize: the number formats dispatch puts on the wire (docs/quant.md), bit for bit."""
 import torch
 
 from . import _C

@@ -1,4 +1,4 @@
-// api/args.cc — argument checks of dispatch and combine (spec/normal-mode.md §4.2, §4.6, §4.7, §5, §8):
+// api/args.cc — argument checks of dispatch and combine (docs/normal-mode.md):
 // every message names the argument, the expected and the actual value.
 #include <cstring>
 
@@ -114,7 +114,7 @@ const Handle::Impl& own_handle(const Buffer::Impl& b, const std::shared_ptr<cons
       describe(x.data), ", ", describe(*x.scales), ")");
 }
 
-// Pre-quantized (data, scales): the mode follows from dtypes and shapes (§4.6 table).
+// Pre-quantized (data, scales): the mode follows from dtypes and shapes (docs/normal-mode.md table).
 engine::RowFormat infer_tuple(const Payload& x, int64_t& hidden, int64_t& st0, int64_t& st1) {
   using SS = engine::RowFormat::ScaleShape;
   const Tensor& d = x.data;
@@ -176,7 +176,7 @@ engine::RowFormat infer_tuple(const Payload& x, int64_t& hidden, int64_t& st0, i
   return f;
 }
 
-// Selects the payload format: tuple > quant_mode > environment switch > plain (§4.6).
+// Selects the payload format: tuple > quant_mode > environment switch > plain (docs/normal-mode.md).
 void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
   const Tensor& x = a.x.data;
   EPCOMM_CHECK(x.defined(), "argument: x: expected a [num_tokens, hidden] tensor, got None");
@@ -256,14 +256,16 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
     in.cost_stats = a.dispatch_wait_recv_cost_stats;
     in.keep.push_back(*a.dispatch_wait_recv_cost_stats);
   }
-  EPCOMM_CHECK(a.expert_alignment >= 1, "argument: expert_alignment: expected >= 1, got ", a.expert_alignment);
-  EPCOMM_CHECK(a.expert_alignment < (int64_t{1} << 31),
-               "argument: expert_alignment: expected below 2^31 (a rank receives at most 2^31 - 1 rows), got ",
+  EPCOMM_CHECK(a.expert_alignment >= 1, "argument: expert_alignment: expected >= 1, got ",
                a.expert_alignment);
+  EPCOMM_CHECK(
+      a.expert_alignment < (int64_t{1} << 31),
+      "argument: expert_alignment: expected below 2^31 (a rank receives at most 2^31 - 1 rows), got ",
+      a.expert_alignment);
   EPCOMM_CHECK(a.num_worst_tokens >= 0, "argument: num_worst_tokens: expected >= 0, got ",
                a.num_worst_tokens);
 
-  if (a.handle) {  // cached re-dispatch (§4.7)
+  if (a.handle) {  // cached re-dispatch (docs/normal-mode.md)
     const Handle::Impl& hd = own_handle(b, a.handle);
     in.cached = true;
     in.handle = std::shared_ptr<const Handle::Impl>(a.handle, &hd);

@@ -88,7 +88,7 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   b.nvl_bytes = options.num_nvl_bytes ? options.num_nvl_bytes : kDefaultSegmentBytes;
   b.allocator = options.allocator ? options.allocator : default_allocator();
 
-  // Node partition (spec §6).
+  // Node partition (docs/normal-mode.md).
   const int R = b.num_ranks, P = options.ranks_per_node ? options.ranks_per_node : env::ranks_per_node();
   b.node_of_rank = detail::node_partition(*group, P, pre);
   b.num_nodes = *std::max_element(b.node_of_rank.begin(), b.node_of_rank.end()) + 1;
@@ -170,8 +170,9 @@ std::string Buffer::Impl::describe() const {
       " s; copy threads ", Buffer::num_threads());
 }
 
-// Internode (spec §6): equal node sizes, a shared-memory transport over this node's ranks whose segments
-// also hold one lane per node (num_rdma_bytes in all), and the network to our rail peers on the other nodes.
+// Internode (docs/normal-mode.md): equal node sizes, a shared-memory transport over this node's ranks whose
+// segments also hold one lane per node (num_rdma_bytes in all), and the network to our rail peers on the
+// other nodes.
 void Buffer::Impl::setup_internode(const std::string& pre, size_t extra_bytes) {
   detail::InternodeRequest req;
   req.segment_bytes = static_cast<size_t>(nvl_bytes);

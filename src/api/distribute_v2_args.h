@@ -1,4 +1,4 @@
-// api/distribute_v2_args.h — argument checks of the operator family (spec/distribute-v2.md §8.2, §9) and the
+// api/distribute_v2_args.h — argument checks of the operator family (docs/distribute-v2.md) and the
 // engine inputs they produce. Messages name the parameter, the expected and the actual value; the caller
 // adds the "epcomm[ep r] <op>#<seq>: " prefix.
 #pragma once
@@ -17,7 +17,7 @@ struct LayoutArgs {
   int64_t W, ep_rank, E, tp_world_size, tp_rank, shard, shared_expert_num, Sr, global_bs;
 };
 
-// Checked routing of one rank: ids with -1 at inactive slots, and active tokens (§4.1).
+// Checked routing of one rank: ids with -1 at inactive slots, and active tokens (docs/distribute-v2.md).
 struct Routing {
   int64_t bs = 0;
   int K = 0;
@@ -50,7 +50,8 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
 void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const CombineAddRmsNormArgs* norm,
                      const OpOptions& o, CombinePlan& p);
 
-// §9, only when options name a product. Throws InvalidUsage("exceeds <product> limit: <rule>").
+// docs/distribute-v2.md, only when options name a product. Throws InvalidUsage("exceeds <product> limit:
+// <rule>").
 void check_strict_dispatch(const OpOptions& o, const DispatchV2Args& a, const engine::v2::Layout& lay,
                            const Routing& routing, int64_t H);
 void check_strict_combine(const OpOptions& o, const CombineV2Args& a, const engine::v2::Layout& lay,

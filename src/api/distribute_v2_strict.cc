@@ -1,4 +1,4 @@
-// api/distribute_v2_strict.cc — the optional per-product hardware limits of spec/distribute-v2.md §9. They
+// api/distribute_v2_strict.cc — the optional per-product hardware limits of docs/distribute-v2.md. They
 // are size and support limits, not consistency rules: checked only when OpOptions::strict_hardware_limits
 // names a product, so that a configuration can be vetted on CPU. A violation raises InvalidUsage("exceeds
 // <product> limit: <rule>").

@@ -1,5 +1,5 @@
 // api/internode_setup.h — what a Buffer and an operator-family group context both build when their ranks span
-// nodes (spec/normal-mode.md §6): the node partition, a shared-memory transport over this node's ranks whose
+// nodes (docs/normal-mode.md): the node partition, a shared-memory transport over this node's ranks whose
 // segments also carry one lane per node, and the network to this rank's rail peers.
 #pragma once
 

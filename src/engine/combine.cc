@@ -48,9 +48,9 @@ CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t 
   return c;
 }
 
-// The internode part of a combine (spec §6): as origin, send each window's routing to the proxies of the
-// nodes that hold copies, then reduce with their partials; as proxy of our rail peers, open their windows to
-// our node, reduce what our node wrote into one f32 partial per token and send it back.
+// The internode part of a combine (docs/normal-mode.md): as origin, send each window's routing to the proxies
+// of the nodes that hold copies, then reduce with their partials; as proxy of our rail peers, open their
+// windows to our node, reduce what our node wrote into one f32 partial per token and send it back.
 class Hierarchy {
  public:
   // `halves` windows in flight; lane half h starts `h * lane_stride` bytes into the lane's data.
@@ -143,8 +143,9 @@ class Hierarchy {
     }
   }
 
-  // Origin: reduces window w from our node's copies and the other nodes' partials (§5.1 across nodes).
-  // copy_of(t, slot) -> (row, receiving-side weights): a template, not std::function, on this per-copy path.
+  // Origin: reduces window w from our node's copies and the other nodes' partials (docs/normal-mode.md across
+  // nodes). copy_of(t, slot) -> (row, receiving-side weights): a template, not std::function, on this
+  // per-copy path.
   template <typename CopyOf>
   void reduce(int64_t w, const CopyOf& copy_of) {
     const int64_t t0 = w * W_, t1 = std::min(hd_.num_tokens, t0 + W_);

@@ -1,6 +1,6 @@
 // engine/combine.h — the combine protocol: each origin opens a window over its own tokens; every rank that
 // holds copies of those tokens writes them into the window's fixed slots; the origin reduces them in
-// canonical order (spec/normal-mode.md §5) straight into combined_x.
+// canonical order (docs/normal-mode.md) straight into combined_x.
 #pragma once
 
 #include <functional>

@@ -1,4 +1,4 @@
-// engine/combine_v2.cc — combine_v2 and combine_add_rms_norm (spec/distribute-v2.md §6, §7). The TP pair
+// engine/combine_v2.cc — combine_v2 and combine_add_rms_norm (docs/distribute-v2.md). The TP pair
 // first reduces its rows; then each origin opens a window over its own tokens with one fixed slot per (token,
 // slot ∈ [0, K+S)), every rank writes its rows (int8-compressed with comm_quant_mode 2) into the origins'
 // slots and stamps each slot, and the origin checks the stamps against its own mask and ids and reduces in

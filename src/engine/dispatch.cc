@@ -223,7 +223,7 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
   size_t lane_half = 0, net_meta = 0;  // net_meta: routing bytes per compact entry
   DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half, net_meta);
   int64_t W = geo.window;
-  // The capacity rule (spec §2.3) holds for the staged record, whether or not the rows are pushed.
+  // The capacity rule (docs/normal-mode.md) holds for the staged record, whether or not the rows are pushed.
   const int64_t row_window = W;
   int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
   uint8_t* my_area = ctx.data(me);
@@ -233,7 +233,8 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
   const bool share_x = !inter && in.shared_offset >= 0 && !f.quantize && !in.scales;
   // Whether our rows can be pushed (every rank must say so): outputs in our output arena, x private (or
   // quantized here), one node, no cost statistics asked for (pushed rows land only once
-  // every rank has arrived, so a late rank's delay would show in every element instead of its own: spec §7).
+  // every rank has arrived, so a late rank's delay would show in every element instead of its own:
+  // docs/normal-mode.md).
   Transport& tp = ctx.transport();
   const OutputArena* arena = tp.output_arena().get();
   auto arena_offset = [&](const Tensor& t) { return arena ? arena->offset_of(t.data(), t.nbytes()) : -1; };

@@ -74,7 +74,7 @@ struct DispatchOutput {
 void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
                   const std::function<void()>& on_shapes);
 
-// The check every rank runs on all headers: parameters that must match (normal-mode.md §8).
+// The check every rank runs on all headers: parameters that must match (docs/normal-mode.md).
 void check_headers_match(const OpContext& ctx);
 
 // Adds elapsed microseconds into a cost-statistics tensor ([R] i64, or i32 saturating).

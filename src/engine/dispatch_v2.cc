@@ -1,4 +1,4 @@
-// engine/dispatch_v2.cc — dispatch_v2 (spec/distribute-v2.md §4, §5): every sender stages each token once in
+// engine/dispatch_v2.cc — dispatch_v2 (docs/distribute-v2.md): every sender stages each token once in
 // its own segment (quantized there, once per distinct destination row when per-expert scales make copies
 // differ), window by window in two alternating halves; every receiver walks each source's windows and copies
 // its rows straight to their final offsets, known from the exchanged per-expert counts. Then the TP pair
@@ -27,7 +27,7 @@ size_t meta_bytes(int K) {
 }
 
 // Payloads per staged token: one, or one per slot and shared expert when a (S+E, H) table smooths each
-// destination row differently (§4.1 `row`).
+// destination row differently (docs/distribute-v2.md `row`).
 int payloads_per_token(const DispatchV2Input& in) {
   return in.smooth.kind == SmoothingSource::Kind::table ? in.lay.K + in.lay.S : 1;
 }
@@ -50,8 +50,9 @@ quant::Fp8Format fp8_of(DType d) {
   return d == DType::f8e5m2 ? quant::Fp8Format::e5m2 : quant::Fp8Format::e4m3;
 }
 
-// Writes token t's payload for scale row `row`: data_bytes of data, then scale_bytes of scales (§5).
-// `plain`: the window is cache-sized (DispatchGeometry::cache_resident): no streaming stores.
+// Writes token t's payload for scale row `row`: data_bytes of data, then scale_bytes of scales
+// (docs/distribute-v2.md). `plain`: the window is cache-sized (DispatchGeometry::cache_resident): no
+// streaming stores.
 void make_payload(const DispatchV2Input& in, int64_t t, int row, uint8_t* dst, std::vector<float>& scratch,
                   bool plain) {
   const RowFormat& f = in.fmt;
@@ -250,7 +251,7 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
                    " bytes (GroupContextOptions::segment_bytes)");
   }
 
-  // 3. The receive plan of this rank: blocks b = el·W + r in order (§4.2).
+  // 3. The receive plan of this rank: blocks b = el·W + r in order (docs/distribute-v2.md).
   const bool shared = lay.is_shared(me);
   const int Lp = lay.local_experts(me);
   const int m = me - lay.Sr;  // MoE rank index
@@ -428,7 +429,7 @@ void write_dispatch_counts(const DispatchV2Input& in, DispatchV2Output& out, int
   for (size_t b = 0; b < out.cnt.size(); ++b) out.ep_recv_counts[b] = out.cnt[b];
   if (tp_world_size == 2) {
     for (size_t b = 0; b < out.peer_cnt.size(); ++b) out.ep_recv_counts[out.cnt.size() + b] = out.peer_cnt[b];
-    out.expert_token_nums[0] = out.n_own + out.n_peer;  // L = 1 with TP (§4.3)
+    out.expert_token_nums[0] = out.n_own + out.n_peer;  // L = 1 with TP (docs/distribute-v2.md)
     out.tp_recv_counts[tp_rank] = static_cast<int32_t>(out.n_own);
     out.tp_recv_counts[1 - tp_rank] = static_cast<int32_t>(out.n_peer);
     return;

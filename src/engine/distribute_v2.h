@@ -1,4 +1,4 @@
-// engine/distribute_v2.h — the protocols of the operator family (spec/distribute-v2.md) on the engine's
+// engine/distribute_v2.h — the protocols of the operator family (docs/distribute-v2.md) on the engine's
 // segments: dispatch_v2 (staged pull, rows in (local expert, source, sender order)), its TP all-gather, and
 // combine_v2 (TP reduce, then origin windows with one fixed slot per (token, slot) and a canonical
 // reduction).
@@ -19,7 +19,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-// Rank layout and capacity of spec §3 (expert_shard_type 0). Pure values, equal on every rank of a call.
+// Rank layout and capacity of docs/distribute-v2.md (expert_shard_type 0). Pure values, equal on every rank
+// of a call.
 struct Layout {
   int W = 1;                  // ep_world_size
   int E = 1;                  // MoE experts
@@ -29,7 +30,7 @@ struct Layout {
   int R = 1;                  // replicas per shared expert (Sr / S)
   int L = 1;                  // experts per MoE rank
   int T = 1;                  // max(tp_world_size, 1)
-  int64_t max_bs = 0, G = 0;  // maxBs and G of §1
+  int64_t max_bs = 0, G = 0;  // maxBs and G of docs/distribute-v2.md
 
   bool is_shared(int p) const { return p < Sr; }
   int rank_of(int e) const { return Sr + e / L; }
@@ -42,7 +43,8 @@ struct Layout {
   bool shared_serves(int p, int src) const { return src % R == p % R; }
 };
 
-// Parameters every rank must agree on (§8.3). They travel at the start of the header's counts area.
+// Parameters every rank must agree on (docs/distribute-v2.md). They travel at the start of the header's
+// counts area.
 enum Param : int {
   kParamW,
   kParamE,
@@ -83,7 +85,8 @@ struct RowFormat {
   size_t scale_bytes = 0;  // bytes of one dynamic_scales row (0 in modes 0 and 1)
 };
 
-// Quantization smoothing of §5: none, one scalar, one (H,) vector, or a (S+E, H) table indexed by row.
+// Quantization smoothing of docs/distribute-v2.md: none, one scalar, one (H,) vector, or a (S+E, H) table
+// indexed by row.
 struct SmoothingSource {
   enum class Kind { none, scalar, vector, table } kind = Kind::none;
   const float* data = nullptr;
@@ -118,11 +121,12 @@ struct DispatchV2Output {
   std::vector<int32_t> cnt, peer_cnt;  // inclusive prefix over the W·L_p blocks
 };
 
-// The EP stage (§4.2): header exchange, then every rank pulls its rows from the senders' staged windows.
-// `on_moving` is called once data starts to move (errors after it fail the group).
+// The EP stage (docs/distribute-v2.md): header exchange, then every rank pulls its rows from the senders'
+// staged windows. `on_moving` is called once data starts to move (errors after it fail the group).
 void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output& out,
                      const std::function<void()>& on_moving);
-// The TP stage (§4.3) on the pair's context: own rows first, then the peer's. Needs run_dispatch_v2 first.
+// The TP stage (docs/distribute-v2.md) on the pair's context: own rows first, then the peer's. Needs
+// run_dispatch_v2 first.
 void run_dispatch_v2_tp(OpContext& tctx, const DispatchV2Input& in, DispatchV2Output& out,
                         const std::function<void()>& on_moving);
 // Fills expert_token_nums, ep_recv_counts and tp_recv_counts from cnt (and peer_cnt with T = 2).
@@ -141,7 +145,7 @@ struct CombineV2Input {
   std::vector<uint8_t> active;        // [bs]
   std::vector<float> expert_scales;   // [bs*K]
   const uint8_t* shared_x = nullptr;  // [bs, H] dt contiguous, or null
-  // combine_add_rms_norm (§7) when residual is set.
+  // combine_add_rms_norm (docs/distribute-v2.md) when residual is set.
   const uint8_t* residual = nullptr;  // [bs, H] dt
   const uint8_t* gamma = nullptr;     // [H] dt
   float norm_eps = 0;
@@ -158,14 +162,15 @@ struct CombineV2Output {
   float* rstd = nullptr;  // [bs] (rms norm only)
 };
 
-// Groups this rank's rows by origin and checks them (§8.2: triples in range, no duplicate (r, t, slot)).
-// Throws InvalidUsage naming the row; runs before any header is published.
+// Groups this rank's rows by origin and checks them (docs/distribute-v2.md: triples in range, no duplicate
+// (r, t, slot)). Throws InvalidUsage naming the row; runs before any header is published.
 void prepare_combine_v2(CombineV2Input& in);
-// The TP reduce of §6 on the pair's context: sends rows [n_own, n_own + n_send) of `expand_x`, receives the
-// peer's n_own rows and adds them into `y` ([n_own, H], a copy of the first n_own rows).
+// The TP reduce of docs/distribute-v2.md on the pair's context: sends rows [n_own, n_own + n_send) of
+// `expand_x`, receives the peer's n_own rows and adds them into `y` ([n_own, H], a copy of the first n_own
+// rows).
 void run_combine_v2_tp(OpContext& tctx, const CombineV2Input& in, const uint8_t* expand_x, int64_t n_send,
                        uint8_t* y, const std::function<void()>& on_moving);
-// The EP stage of §6/§7.
+// The EP stage of docs/distribute-v2.md.
 void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Output& out,
                     const std::function<void()>& on_moving);
 

@@ -49,7 +49,7 @@ struct Handle::Impl {
   std::vector<int32_t> send_rows;
   bool pushed = false;  // send_rows hold the placement (every rank pushed its rows in that dispatch)
 
-  // The copies of own token t in canonical order (spec/normal-mode.md §5): f(slot, holder) per top-k slot k
+  // The copies of own token t in canonical order (docs/normal-mode.md): f(slot, holder) per top-k slot k
   // with an expert, ascending (expert_major: slot k, holder the expert's rank), or per destination rank d,
   // ascending (rank_major: slot d, holder d). Slots index [T * slots] arrays such as send_rows.
   bool by_slot() const { return order == ReceiveOrder::expert_major && num_topk > 0; }

@@ -1,4 +1,4 @@
-// engine/internode.h — what the engine needs to run across nodes (spec/normal-mode.md §6): the node
+// engine/internode.h — what the engine needs to run across nodes (docs/normal-mode.md): the node
 // partition, the Network, and the lanes every segment carries for the other nodes.
 //
 // Two-hop model. Rank s on node a talks over the network only to its rail peers: the ranks with its local

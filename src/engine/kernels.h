@@ -29,7 +29,7 @@ void store_fence();
 void gather_scales(uint8_t* dst, const uint8_t* base, int64_t t, int64_t st0, int64_t st1, int64_t cols,
                    size_t elem);
 
-// One combined token (spec/normal-mode.md §5.1 on one node): p = +0; p = p + f32(w_i * f32(x_i)) for each
+// One combined token (docs/normal-mode.md on one node): p = +0; p = p + f32(w_i * f32(x_i)) for each
 // contribution in order (unweighted when `weights` is null); acc = +0 + p; then the biases; one rounding.
 // `rows[i]` points at contribution i (dtype `dt`, `hidden` elements); bias pointers may be null.
 void reduce_token(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,

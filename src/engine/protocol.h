@@ -21,7 +21,7 @@ enum class OpKind : uint32_t {
   dispatch = 1,
   cached_dispatch = 2,
   combine = 3,
-  dispatch_v2 = 4,  // the operator family (spec/distribute-v2.md)
+  dispatch_v2 = 4,  // the operator family (docs/distribute-v2.md)
   combine_v2 = 5,
   combine_add_rms_norm = 6,
 };

@@ -1,5 +1,5 @@
 // quant/bench.h — single-thread throughput of every block quantizer and dequantizer on bf16 input, for the
-// `epcomm bench` command line (quant.md §7). A measurement, not a test: it never asserts anything.
+// `epcomm bench` command line (docs/quant.md). A measurement, not a test: it never asserts anything.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
-// quant/block.h — every named block quantizer of quant.md §3 and its dequantization (§4), one row at a time.
-// Function names are the spec's algorithm names; distribute-v2 and normal mode call these through row.h or
-// directly.
+// quant/block.h — every named block quantizer of docs/quant.md and its dequantization (docs/quant.md), one
+// row at a time. Function names are the spec's algorithm names; distribute-v2 and normal mode call these
+// through row.h or directly.
 #pragma once
 
 #include <cstddef>
@@ -17,7 +17,7 @@ namespace epcomm::quant {
 //   computed from the elements it has.
 // - Calls are pure and thread-safe. A bad dtype or size throws Error(InvalidUsage); nothing else throws.
 
-// The optional smoothing factor c of quant.md §3.1: xf_i = fp32(x_i) ⊗ c_i (none, one scalar, or one fp32 per
+// The optional smoothing factor c of docs/quant.md: xf_i = fp32(x_i) ⊗ c_i (none, one scalar, or one fp32 per
 // element, caller-owned and at least n long).
 class Smoothing {
  public:
@@ -39,13 +39,13 @@ class Smoothing {
 
 enum class Fp8Format { e4m3, e5m2 };     // M = 448 / 57344
 enum class MxElem { e4m3, e5m2, e2m1 };  // (emax, M) = (8, 448), (15, 57344), (2, 6)
-enum class ScaleRule { floor, rceil };   // MX scale rule (quant.md §3.3); FLOOR is what every mode uses
+enum class ScaleRule { floor, rceil };   // MX scale rule (docs/quant.md); FLOOR is what every mode uses
 
 inline constexpr int64_t kGroup128 = 128;
 inline constexpr int64_t kMxBlock = 32;
 inline constexpr int64_t kCombineGroup = 8;
 
-// ---- §3.2 per-token and per-group ----
+// ---- docs/quant.md per-token and per-group ----
 
 // s = 127 ∕ amax; q_i = int8_sat(xf_i ⊗ s, ±127); *scale = 1 ∕ s. Degenerate row: q = 0, scale +0.
 void int8_per_token_a3(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q, float* scale);
@@ -67,7 +67,7 @@ void fp8_per_group128(Fp8Format fmt, DType in, const void* x, int64_t n, const S
 void fp8_per_group128_a3(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c,
                          uint8_t* codes, float* scales);
 
-// ---- §3.3 MX (no smoothing) ----
+// ---- docs/quant.md MX (no smoothing) ----
 
 // One e8m0 byte per 32-block in `scales` (ceil(n/32) bytes); codes are n bytes, or n/2 packed f4x2 bytes for
 // e2m1 (n must be even).
@@ -86,19 +86,19 @@ inline void mxfp4_e2m1(DType in, const void* x, int64_t n, uint8_t* packed, uint
   mx_quantize(MxElem::e2m1, rule, in, x, n, packed, scales);
 }
 
-// ---- §3.4 static and combine ----
+// ---- docs/quant.md static and combine ----
 
 // q_i = int8_sat(fp32(x_i) ⊗ c_i, −128, 127); no scale (distribute-v2 quant_mode 1).
 void int8_static(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q);
 // codes_i = hif8_sat(fp32(x_i) ⊗ c_i); no scale.
 void hif8_static(DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes);
-// Combine communication quantization (distribute-v2 §6, comm_quant_mode 2), groups of 8 of `y` in dtype `dt`
-// (bf16 or f16): s32 = amax ⊗ fp32(1/127); sigma = RNE_dt(s32) (bits of dtype dt); q = RNE_int(fp32(y) ∕
+// Combine communication quantization (docs/distribute-v2.md, comm_quant_mode 2), groups of 8 of `y` in dtype
+// `dt` (bf16 or f16): s32 = amax ⊗ fp32(1/127); sigma = RNE_dt(s32) (bits of dtype dt); q = RNE_int(fp32(y) ∕
 // s32). Zero group (s32 = 0): q = 0, sigma = +0. Group with NaN/Inf: q = 0, sigma = canonical NaN of dt.
 // `sigma` holds ceil(n/8) entries.
 void int8_group8_combine(DType dt, const void* y, int64_t n, int8_t* q, uint16_t* sigma);
 
-// ---- §4 dequantization (fp32 out) ----
+// ---- docs/quant.md dequantization (fp32 out) ----
 
 // out_i = fp32(q_i) ⊗ scale (both int8 per-token variants).
 void dequant_int8_per_token(const int8_t* q, float scale, int64_t n, float* out);

@@ -1,4 +1,4 @@
-// quant/element.h — the element conversions of quant.md §2 under epcomm::quant, for the engine and kernels.
+// quant/element.h — the element conversions of docs/quant.md under epcomm::quant, for the engine and kernels.
 // The inline definitions live in the public epcomm/quant_element.h; this header only re-exports them.
 #pragma once
 
@@ -36,7 +36,7 @@ inline float f32_from_bits(uint32_t u) {
   return quant_detail::from_bits(u);
 }
 
-// Canonical NaNs (quant.md §1).
+// Canonical NaNs (docs/quant.md).
 inline constexpr uint32_t kF32Nan = 0x7FC00000u;
 inline constexpr uint16_t kBf16Nan = 0x7FC0u;
 inline constexpr uint16_t kF16Nan = 0x7E00u;

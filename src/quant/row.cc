@@ -1,4 +1,4 @@
-// quant/row.cc — normal-mode quant_mode -> block algorithm, and the row byte layout of normal-mode.md §4.6.
+// quant/row.cc — normal-mode quant_mode -> block algorithm, and the row byte layout of docs/normal-mode.md.
 #include "quant/row.h"
 
 #include <cstring>

@@ -1,5 +1,5 @@
 // quant/row.h — the per-row quantization interface the communication engine uses for normal-mode quant_mode
-// (normal-mode.md §4.6): byte sizes, H checks, and quantize/dequantize of one row with the mode's algorithm.
+// (docs/normal-mode.md): byte sizes, H checks, and quantize/dequantize of one row with the mode's algorithm.
 #pragma once
 
 #include <cstddef>
@@ -10,20 +10,20 @@
 
 namespace epcomm::quant {
 
-// Mode -> algorithm (quant.md §3.5): int8 -> int8_per_token_a3; pertoken_fp8_e4m3 -> fp8_per_token (e4m3);
+// Mode -> algorithm (docs/quant.md): int8 -> int8_per_token_a3; pertoken_fp8_e4m3 -> fp8_per_token (e4m3);
 // pergroup_fp8_e4m3 -> fp8_per_group128 (e4m3, fp32 scales); mx_* -> MX with the FLOOR rule; bf16 -> a copy.
 // All functions are pure and thread-safe; output buffers are caller-owned.
 
-// Bytes of one quantized row's data and scales for `mode` and hidden size H (normal-mode.md §4.6 table);
+// Bytes of one quantized row's data and scales for `mode` and hidden size H (docs/normal-mode.md table);
 // for QuantMode::bf16 data bytes are H*2 and scale bytes 0. They do not validate H (see check_hidden).
 size_t row_data_bytes(QuantMode mode, int64_t H);
 size_t row_scale_bytes(QuantMode mode, int64_t H);
 // Throws epcomm::Error(InvalidUsage) naming `hidden` when H violates the mode's constraint (H >= 1 always,
 // H % 32 == 0 for the MX modes).
 void check_hidden(QuantMode mode, int64_t H);
-// Quantizes one row of H elements of dtype `in` (bf16, f16 or f32) with the algorithm normal-mode.md assigns
-// to `mode`: row_data_bytes(mode, H) bytes go to data_out, row_scale_bytes(mode, H) to scales_out. Mode bf16
-// copies a bf16 row (another `in` throws). Throws Error(InvalidUsage) for a bad dtype or H.
+// Quantizes one row of H elements of dtype `in` (bf16, f16 or f32) with the algorithm docs/normal-mode.md
+// assigns to `mode`: row_data_bytes(mode, H) bytes go to data_out, row_scale_bytes(mode, H) to scales_out.
+// Mode bf16 copies a bf16 row (another `in` throws). Throws Error(InvalidUsage) for a bad dtype or H.
 void quantize_row(QuantMode mode, DType in, const void* x, int64_t H, void* data_out, void* scales_out);
 // Dequantizes one row into fp32 (for combine-after-dequant tests and the demo). Never throws for a valid H.
 void dequantize_row(QuantMode mode, const void* data, const void* scales, int64_t H, float* out);

@@ -1,4 +1,4 @@
-// routing/layout.h — get_dispatch_layout's counts (spec/normal-mode.md §3) and the per-call receive plan.
+// routing/layout.h — get_dispatch_layout's counts (docs/normal-mode.md) and the per-call receive plan.
 // Pure functions of top-k ids and counts: no I/O, exhaustively unit-tested.
 #pragma once
 

@@ -1,4 +1,4 @@
-// multirank/cases_errors.cc — every bad-input case of spec/normal-mode.md raises epcomm::Error naming the
+// multirank/cases_errors.cc — every bad-input case of docs/normal-mode.md raises epcomm::Error naming the
 // argument, the expected and the actual value; all ranks make the same bad call, and the Buffer stays usable.
 #include <cstring>
 

@@ -1,4 +1,4 @@
-// multirank/cases_internode.cc — internode specifics (spec/normal-mode.md §6): the same problem on one node
+// multirank/cases_internode.cc — internode specifics (docs/normal-mode.md): the same problem on one node
 // and on virtual nodes (EPCOMM_RANKS_PER_NODE, set by ctest) gives identical dispatch results, and each token
 // crosses the network once per other node that needs it. The foundation cases also run under virtual nodes
 // (tests/multirank/CMakeLists.txt) against the reference for the partition in use.

@@ -1,4 +1,4 @@
-// multirank/cases_quant.cc — quantized dispatch (spec/normal-mode.md §4.6, §9.9): every mode, both orders;
+// multirank/cases_quant.cc — quantized dispatch (docs/normal-mode.md): every mode, both orders;
 // received codes and scales equal the quantizer applied once to the source row, bitwise; tuple input
 // arrives verbatim; the environment switch and its priority; combine of the dequantized rows.
 #include <cstdlib>

@@ -290,8 +290,9 @@ MR_CASE("v2_add_rms_norm", {}) {
 }
 
 MR_CASE("v2_quant_identity", {}) {
-  // Quantized identity round trip (spec §11.7): dispatch in modes 2-4, dequantize expand_x (quant.md §4) into
-  // bf16 expert outputs, combine: calc_diff to x·Σw + S·x below 3e-3 (int8) or 2e-3 (fp8).
+  // Quantized identity round trip (docs/distribute-v2.md): dispatch in modes 2-4, dequantize expand_x
+  // (docs/quant.md) into bf16 expert outputs, combine: calc_diff to x·Σw + S·x below 3e-3 (int8) or 2e-3
+  // (fp8).
   V2Groups g = make_v2_groups(ctx, 0, 1 << 20);
   const int W = ctx.size;
   struct Mode {
@@ -444,8 +445,8 @@ std::vector<uint8_t> f32_bytes(std::initializer_list<uint32_t> bits) {
 }  // namespace
 
 MR_CASE("v2_quant_vectors", {false, 2}) {
-  // quant.md §5's vectors through a W = 2, one-expert dispatch (modes 1-4), and combine comm_quant_mode 2
-  // against the values its §6 arithmetic gives by hand; all-zero rows and groups included.
+  // docs/quant.md's vectors through a W = 2, one-expert dispatch (modes 1-4), and combine comm_quant_mode 2
+  // against the values its docs/distribute-v2.md arithmetic gives by hand; all-zero rows and groups included.
   if (ctx.size != 2) throw Skip("a two-rank case");
   V2Groups g = make_v2_groups(ctx, 0);
   const int r = ctx.rank;
@@ -453,7 +454,7 @@ MR_CASE("v2_quant_vectors", {false, 2}) {
   const std::vector<float> row3 = {0.76953125f, -2.671875f, -0.1943359375f, -2.15625f,
                                    3.34375f,    -3.625f,    -1.8125f,       -1.9609375f};
   const std::vector<float> zeros(8, 0.0f);
-  {  // int8 per-token (§5.1 rows 1 and 3).
+  {  // int8 per-token (docs/distribute-v2.md rows 1 and 3).
     OneExpert o = one_expert_dispatch(g, r, DType::bf16, r == 0 ? row1 : row3, 2, DType::i8);
     if (r == 0) {
       check_equal("int8 codes", o.data,
@@ -465,7 +466,7 @@ MR_CASE("v2_quant_vectors", {false, 2}) {
     OneExpert o = one_expert_dispatch(g, r, DType::bf16, r == 0 ? zeros : row1, 2, std::nullopt);
     if (r == 0) check_equal("zero-row scales", o.scales, f32_bytes({0u, 0x3f800000u}));
   }
-  {  // fp8 per-token e4m3 and e5m2 (§5.2 r2), and per-group-128 a3 (one group).
+  {  // fp8 per-token e4m3 and e5m2 (docs/distribute-v2.md r2), and per-group-128 a3 (one group).
     OneExpert o = one_expert_dispatch(g, r, DType::bf16, row3, 2, DType::f8e4m3);
     if (r == 0) {
       check_equal("e4m3 codes", std::vector<uint8_t>(o.data.begin(), o.data.begin() + 8),
@@ -487,7 +488,8 @@ MR_CASE("v2_quant_vectors", {false, 2}) {
       check_equal("group scales", o.scales, f32_bytes({0x3c049249u, 0u}));
     }
   }
-  {  // MXFP8 e4m3 FLOOR (§5.3: the Ascend doc block, and vector D) from fp16 rows; scales padded to 2 bytes.
+  {  // MXFP8 e4m3 FLOOR (docs/distribute-v2.md: the Ascend doc block, and vector D) from fp16 rows; scales
+     // padded to 2 bytes.
     std::vector<float> b1(32, 0.0f);
     b1[1] = 8;
     b1[2] = 64;
@@ -514,7 +516,8 @@ MR_CASE("v2_quant_vectors", {false, 2}) {
       check_equal("static codes", std::vector<uint8_t>(o.data.begin(), o.data.begin() + 8),
                   bytes_of({2, -2, 0, 127, -128, 0, 0, 4}));
   }
-  {  // combine comm_quant_mode 2: the row comes back through int8 groups of 8 (hand-computed §6 values).
+  {  // combine comm_quant_mode 2: the row comes back through int8 groups of 8 (hand-computed
+     // docs/distribute-v2.md values).
     const std::vector<float> y0 = {127, 1, -0.5f, 63.5f, 0, 0, 0, 0};
     const std::vector<float> y1 = {3, -1.5f, 0.25f, 2.75f, 0, 0, 0, 1};
     const std::vector<float>& mine = r == 0 ? y0 : y1;

@@ -1,6 +1,7 @@
-// multirank/cases_v2_errors.cc — one test per rule of spec/distribute-v2.md §8.2 (every rank makes the same
-// bad call: InvalidUsage naming the parameter, then the group is still usable), cross-rank mismatches (§8.3),
-// a peer whose checks fail, and liveness (§8.4): a missing, sleeping or killed rank is named, never a hang.
+// multirank/cases_v2_errors.cc — one test per rule of docs/distribute-v2.md (every rank makes the same
+// bad call: InvalidUsage naming the parameter, then the group is still usable), cross-rank mismatches
+// (docs/distribute-v2.md), a peer whose checks fail, and liveness (docs/distribute-v2.md): a missing,
+// sleeping or killed rank is named, never a hang.
 #include <signal.h>
 #include <unistd.h>
 

@@ -79,7 +79,8 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   const int r = ctx.rank, R = ctx.size;
   const int K = rt.spec.num_topk, E = rt.spec.num_experts;
   const bool topk = rt.spec.topk;
-  const int rpn = buf.num_nodes() > 1 ? R / buf.num_nodes() : 0;  // the reference's partition (spec §6)
+  const int rpn =
+      buf.num_nodes() > 1 ? R / buf.num_nodes() : 0;  // the reference's partition (docs/normal-mode.md)
   const std::string where =
       epcomm::detail::cat("[", receive_order_name(rt.order), " seed ", rt.spec.seed, " rank ", r, "]");
 

@@ -1,5 +1,5 @@
-"""Flavors, positional handles and the Ascend port's switches (compat.md), on 2 and 4 spawned ranks, against a
-brute-force model written from compat.md: every rank all-gathers every rank's top-k ids and handles, and the
+"""Flavors, positional handles and the Ascend port's switches (docs/python.md), on 2 and 4 spawned ranks, against a
+brute-force model written from docs/python.md: every rank all-gathers every rank's top-k ids and handles, and the
 model derives each positional item from them. send_head is checked against where the rows really landed (the
 receivers' recv_src_rank / recv_src_token), rank_prefix_matrix by slicing recv_x with it as DeepEP's tests do."""
 import os
@@ -34,7 +34,7 @@ def model_in_rank(ids, E, R):
 
 
 def model_rows(all_ids, E, R, order):
-    """rows[s][d]: rows rank d receives from rank s, PAD excluded (compat.md §2)."""
+    """rows[s][d]: rows rank d receives from rank s, PAD excluded (docs/python.md)."""
     L = E // R
     rows = torch.zeros(R, R, dtype=torch.int64)
     for s, ids in enumerate(all_ids):

@@ -5,7 +5,7 @@ y_dtype / expand_x; uint8 views of the same bytes are accepted as input and give
 
 The meaning of the bytes is checked independently of epcomm: torch's own decoding of the fp8 and e8m0 dtypes
 (and a nibble table for e2m1, which torch cannot compute with) times the scale must equal epcomm.dequantize,
-which spec quant.md §4 defines as decode(code) x scale in fp32."""
+which docs/quant.md defines as decode(code) x scale in fp32."""
 
 import pytest
 import torch
@@ -137,7 +137,7 @@ def test_prequantized_tuple_in_and_out(world1, monkeypatch, strategy, mode, view
     (3, None, torch.float32), (3, F8E4M3, torch.float32), (3, F8E5M2, torch.float32),
     (4, None, torch.uint8), (4, F8E4M3, torch.uint8), (4, F8E5M2, torch.uint8)])
 def test_operator_expand_x_dtypes(world1, quant_mode, y_dtype, scales_dtype):
-    # Spec distribute-v2.md §2.4: expand_x is y_dtype (default int8 in mode 2, e4m3 in modes 3 and 4);
+    # Spec docs/distribute-v2.md: expand_x is y_dtype (default int8 in mode 2, e4m3 in modes 3 and 4);
     # dynamic_scales are fp32, and E8M0 bytes as uint8 in mode 4.
     x = rows(T=4, H=256, seed=2)
     ids = torch.tensor([[0], [1], [0], [1]], dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""Error mapping on 2 spawned ranks (spec §8): mismatches and peer failures raise on every rank with the
+"""Error mapping on 2 spawned ranks (docs/normal-mode.md): mismatches and peer failures raise on every rank with the
 engine's messages and leave the Buffer usable; worst-case overflow; asynchronous errors through wait();
 a rank that skips a call times out (epcomm.TimeoutError, also the builtin) and fails the Buffer; capacity
 below the minimum; the GIL is released while a call waits for a peer."""

@@ -1,7 +1,7 @@
 """The Python front across virtual nodes (docs/internode.md): the same problem on one node and on two nodes
 of two ranks (ranks_per_node=2, UCX over TCP) gives bitwise identical dispatch outputs and handles, and a
 rank_major combine of the fed-back rows equal bit for bit (sums of equal values do not depend on the
-partition); expert_major combines agree to f32 rounding (spec §6: partials may associate differently)."""
+partition); expert_major combines agree to f32 rounding (docs/normal-mode.md: partials may associate differently)."""
 import os
 
 import pytest
@@ -40,7 +40,7 @@ def _body(rank, world):
                                b[i].view(torch.uint8) if b[i].dtype == torch.bfloat16 else b[i]), (order, name)
         assert a[3] == b[3], (order, "list")
         assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5]), (order, "handle sources")
-        # The positional layouts across nodes (compat.md §2): items computed from the routing agree with the
+        # The positional layouts across nodes (docs/python.md): items computed from the routing agree with the
         # one-node handle's; the forwarder-only items say they have no value.
         h1, h2 = handles
         assert len(h1) == 8 and len(h2) == 9 and h2.item_names[3:5] == ("topk_idx", "topk_weights")
@@ -81,7 +81,7 @@ def test_two_virtual_nodes_match_one_node(world):
 
 def _v2_body(rank, world):
     """distribute-v2 across two virtual nodes: every output of dispatch_v2 and combine_v2 equals the one-node
-    run bit for bit (the reduction order is fixed by spec §6), and rows crossed the network."""
+    run bit for bit (the reduction order is fixed by docs/normal-mode.md), and rows crossed the network."""
     from epcomm import ops
 
     E, K, H, bs = 2 * world, 3, 128, 29 + rank

@@ -100,7 +100,7 @@ def run_case(buf, rank, world, prob, mine, spec, order):
     ref_rank, ref_expert, ref_in = layout(mine["ids"], E, world)
     check_bits(per_rank, ref_rank, "num_tokens_per_rank")
     check_bits(per_expert, ref_expert, "num_tokens_per_expert")
-    # The default (ascend) flavor gives the Ascend port's i32 0/1 membership (compat.md §1).
+    # The default (ascend) flavor gives the Ascend port's i32 0/1 membership (docs/python.md).
     check_bits(in_rank, ref_in.to(torch.int32), "is_token_in_rank")
     check(per_rdma is None and ev.is_complete(), "num_tokens_per_rdma_rank is None on one node")
 

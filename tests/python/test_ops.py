@@ -1,5 +1,5 @@
 """epcomm.ops on spawned gloo ranks: dispatch_v2 + combine_v2 (+ combine_add_rms_norm) round trips with
-identity experts, checked against a plain-torch model of spec distribute-v2.md §4.2/§4.3/§6 built from every
+identity experts, checked against a plain-torch model of docs/distribute-v2.md built from every
 rank's inputs (all-gathered); a shared-expert layout, a 2 EP x 2 TP grid, and error mapping."""
 import pytest
 import torch
@@ -24,7 +24,7 @@ def _inputs(rank, E, bs=BS, k=K):
 
 
 def _reference(xs, idss, ws, p, W, L, shared_ranks=0):
-    """§4.2 for ep rank p (one shared expert with R = shared_ranks replicas when shared_ranks > 0)."""
+    """docs/distribute-v2.md for ep rank p (one shared expert with R = shared_ranks replicas when shared_ranks > 0)."""
     rows, tags, scales, cnt = [], [], [], []
     if p >= shared_ranks:
         for el in range(L):
@@ -58,7 +58,7 @@ class _CoreAllocates:
 
 
 def _dispatch(*args, **kw):
-    """dispatch_v2 with torch-allocated outputs, checked against the operator's own allocation (spec §2.4
+    """dispatch_v2 with torch-allocated outputs, checked against the operator's own allocation (docs/distribute-v2.md
     shapes, dtypes, zero tails): the same call twice."""
     out = ops.npu_moe_distribute_dispatch_v2(*args, **kw)
     ops._C = _CoreAllocates()

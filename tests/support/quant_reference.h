@@ -1,10 +1,10 @@
-// support/quant_reference.h — an independent, slow and obviously-correct model of spec/quant.md for tests:
+// support/quant_reference.h — an independent, slow and obviously-correct model of docs/quant.md for tests:
 // formats decoded from their field formulas, encoders that search the code grid, block quantizers as written.
 #pragma once
 
 // Shares no code with src/quant or epcomm/quant_element.h. Values are exact doubles (every format here fits);
 // rounding compares x with the exact midpoint of its two neighbours on the grid, then applies the tie rule
-// and the §2 specials explicitly. Not for speed: each encode is a binary search.
+// and the docs/quant.md specials explicitly. Not for speed: each encode is a binary search.
 
 #include <algorithm>
 #include <cmath>
@@ -63,7 +63,7 @@ inline double dec_e2m1(uint8_t c) {
 inline double dec_e8m0(uint8_t s) {
   return s == 0xFF ? kNan : std::ldexp(1.0, static_cast<int>(s) - 127);
 }
-// HiFloat8 from the prefix table of quant.md §2.6.
+// HiFloat8 from the prefix table of docs/quant.md.
 inline double dec_hif8(uint8_t c) {
   if (c == 0x80) return kNan;
   if (c == 0x00) return 0.0;
@@ -175,7 +175,7 @@ inline const Grid& hif8_grid() {
   return g;
 }
 
-// ---- encoders with the §2 specials ----
+// ---- encoders with the docs/quant.md specials ----
 
 inline uint16_t enc_bf16(float x) {
   if (std::isnan(x)) return 0x7FC0;
@@ -240,7 +240,8 @@ inline int int8_sat(float v, int lo, int hi) {
   return static_cast<int>(std::min<double>(std::max<double>(r, lo), hi));
 }
 
-// ---- block quantizers of §3, written as the spec states them, on xf (fp32 values after smoothing) ----
+// ---- block quantizers of docs/quant.md, written as the spec states them, on xf (fp32 values after
+// smoothing) ----
 
 struct RefBlock {
   std::vector<uint8_t> codes;  // int8 codes as their bytes; f4x2 packed
@@ -396,7 +397,7 @@ inline RefBlock mx(int elem, bool rceil, const std::vector<float>& x) {
   return r;
 }
 
-// Combine int8 in groups of 8 (distribute-v2 §6 + quant.md §3.4); bf16 or fp16 sigma.
+// Combine int8 in groups of 8 (docs/distribute-v2.md + docs/quant.md); bf16 or fp16 sigma.
 inline RefBlock group8_combine(bool bf16, const std::vector<float>& y) {
   RefBlock r;
   r.codes.resize(y.size());

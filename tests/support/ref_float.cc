@@ -1,4 +1,4 @@
-// support/ref_float.cc — bit-level bf16/f16 <-> f32 conversions written from quant.md §2.1.
+// support/ref_float.cc — bit-level bf16/f16 <-> f32 conversions written from docs/quant.md.
 #include "support/ref_float.h"
 
 #include <cmath>

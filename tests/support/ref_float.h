@@ -1,4 +1,4 @@
-// support/ref_float.h — the oracle's own scalar conversions: bf16/f16 <-> f32 (RNE, quant.md §2.1), element
+// support/ref_float.h — the oracle's own scalar conversions: bf16/f16 <-> f32 (RNE, docs/quant.md), element
 // sizes, and reading/writing one element of a bf16/f16/f32 row as f32. Shares no code with the library.
 #pragma once
 
@@ -23,9 +23,9 @@ float f16_to_f32(uint16_t bits);
 // Bytes per element of `dtype` (f4x2 counts one byte per packed pair).
 size_t elem_size(DType dtype);
 
-// The single final rounding of combine (spec §5.1): f32 -> bf16/f16 as above; f32 output keeps the value but
-// canonicalizes NaN to 0x7FC00000 (quant.md §1: canonical NaNs are the only NaNs produced). Writes
-// elem_size(dtype) bytes at `out`.
+// The single final rounding of combine (docs/normal-mode.md): f32 -> bf16/f16 as above; f32 output keeps the
+// value but canonicalizes NaN to 0x7FC00000 (docs/quant.md: canonical NaNs are the only NaNs produced).
+// Writes elem_size(dtype) bytes at `out`.
 void store_rounded(DType dtype, float value, uint8_t* out);
 
 // Reads element `index` of a bf16/f16/f32 buffer as f32 (exact).

@@ -1,5 +1,5 @@
-// support/reference.cc — the oracle: spec/normal-mode.md §3–§6 as plain loops, in the spec's own order.
-// Each function first builds the spec's list of rows, then derives every output from that list.
+// support/reference.cc — the oracle: docs/normal-mode.md–docs/normal-mode.md as plain loops, in the spec's
+// own order. Each function first builds the spec's list of rows, then derives every output from that list.
 #include "support/reference.h"
 
 #include <cstring>
@@ -56,7 +56,7 @@ bool is_float_dtype(DType dtype) {
   return dtype == DType::bf16 || dtype == DType::f16 || dtype == DType::f32;
 }
 
-// The rows rank d receives (§4.3 / §4.4), before the worst-case tail, plus cnt and list.
+// The rows rank d receives (docs/normal-mode.md), before the worst-case tail, plus cnt and list.
 struct RowPlan {
   std::vector<Row> rows;
   std::vector<int64_t> cnt, list;
@@ -90,7 +90,7 @@ RowPlan plan_rank_major(const Problem& problem, int d, int64_t expert_alignment)
   const int R = problem.spec.num_ranks, K = problem.spec.num_topk, L = problem.num_local_experts();
   const bool topk = problem.spec.topk;
   // Without top-k the destinations and counts are what the caller passes: is_token_in_rank and
-  // num_tokens_per_expert as §3 derives them.
+  // num_tokens_per_expert as docs/normal-mode.md derives them.
   std::vector<RefLayout> layouts;
   if (!topk)
     for (int s = 0; s < R; ++s) layouts.push_back(ref_layout(problem, s));
@@ -130,8 +130,8 @@ RowPlan plan_rank_major(const Problem& problem, int d, int64_t expert_alignment)
   return plan;
 }
 
-// §5.1: acc = +0; for each node ascending, p = +0 plus that node's contributions in canonical order; acc +=
-// p. `node_of_contribution[i]` / `value[i]` list the contributions in canonical order.
+// docs/normal-mode.md: acc = +0; for each node ascending, p = +0 plus that node's contributions in canonical
+// order; acc += p. `node_of_contribution[i]` / `value[i]` list the contributions in canonical order.
 float reduce_canonical(const std::vector<int>& node_of_contribution, const std::vector<float>& value,
                        int num_nodes) {
   float acc = +0.0f;
@@ -160,7 +160,7 @@ int ref_node_of(int rank, int ranks_per_node) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §3 layout
+// docs/normal-mode.md layout
 // ---------------------------------------------------------------------------------------------------------
 
 RefLayout ref_layout_of(const std::vector<int64_t>& topk_idx, int64_t num_tokens, int num_topk, int num_ranks,
@@ -216,7 +216,7 @@ RefLayout ref_layout(const Problem& problem, int rank, int ranks_per_node) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §4 dispatch
+// docs/normal-mode.md dispatch
 // ---------------------------------------------------------------------------------------------------------
 
 namespace {
@@ -250,7 +250,7 @@ RefDispatch build_dispatch(const Problem& problem, int d, ReceiveOrder order, in
   for (const Row& row : plan.rows)
     if (row.s >= 0) out.rows_per_source[idx(row.s)] += 1;
 
-  // §4.5: overflow on any receiving rank makes every rank raise; no rows are produced.
+  // docs/normal-mode.md: overflow on any receiving rank makes every rank raise; no rows are produced.
   if (num_worst_tokens > 0 && out.num_recv_rows > num_worst_tokens) {
     out.overflow = true;
     return out;
@@ -338,7 +338,7 @@ std::vector<uint8_t> make_expert_output(uint64_t seed, const RefDispatch& dispat
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §5 combine
+// docs/normal-mode.md combine
 // ---------------------------------------------------------------------------------------------------------
 
 RefCombine ref_combine(const Problem& problem, int r, ReceiveOrder order, int64_t expert_alignment,
@@ -404,7 +404,7 @@ RefCombine ref_combine(const Problem& problem, int r, ReceiveOrder order, int64_
     require(recv_weights_per_rank == nullptr, "receiving-side weights are a rank_major argument");
     if (explicit_topk_weights != nullptr)
       require(explicit_topk_weights->size() == idx(T * K), "explicit topk_weights must have T_r*K entries");
-    // §5.2 w_used, returned as combined_topk_weights.
+    // docs/normal-mode.md w_used, returned as combined_topk_weights.
     std::vector<float> w_used(idx(T * K), +0.0f);
     for (int64_t t = 0; t < T; ++t)
       for (int k = 0; k < K; ++k)
@@ -443,7 +443,7 @@ RefCombine ref_combine(const Problem& problem, int r, ReceiveOrder order, int64_
     return out;
   }
 
-  // §5.3 rank_major: unweighted sum over the copies, canonical position = d.
+  // docs/normal-mode.md rank_major: unweighted sum over the copies, canonical position = d.
   require(explicit_topk_weights == nullptr, "origin-side topk_weights are an expert_major argument");
   if (recv_weights_per_rank != nullptr) {
     require(recv_weights_per_rank->size() == idx(R), "recv_weights_per_rank must have one entry per rank");

@@ -1,8 +1,8 @@
 // support/reference.h — the independent oracle for normal-mode layout, dispatch, cached dispatch and combine
-// (spec/normal-mode.md §3–§6), written as plain loops that follow the spec pseudo-code. Shares no code with
-// the library: only epcomm::DType / epcomm::ReceiveOrder are borrowed. Needs no communication: every rank
-// can evaluate every other rank's expected outputs from the Problem.
-// Errors in the arguments throw std::invalid_argument.
+// (docs/normal-mode.md–docs/normal-mode.md), written as plain loops that follow the spec pseudo-code. Shares
+// no code with the library: only epcomm::DType / epcomm::ReceiveOrder are borrowed. Needs no communication:
+// every rank can evaluate every other rank's expected outputs from the Problem. Errors in the arguments throw
+// std::invalid_argument.
 #pragma once
 
 #include <cstddef>
@@ -16,15 +16,15 @@
 namespace epcomm::testing {
 
 // ---------------------------------------------------------------------------------------------------------
-// Node partition (§6): ranks_per_node P > 0 → node(r) = r / P, M = R / P (R % P == 0 required);
-// P = 0 → one node (M = 1), as on a single host.
+// Node partition (docs/normal-mode.md): ranks_per_node P > 0 → node(r) = r / P, M = R / P (R % P == 0
+// required); P = 0 → one node (M = 1), as on a single host.
 // ---------------------------------------------------------------------------------------------------------
 
 int ref_num_nodes(int num_ranks, int ranks_per_node);
 int ref_node_of(int rank, int ranks_per_node);
 
 // ---------------------------------------------------------------------------------------------------------
-// §3 get_dispatch_layout
+// docs/normal-mode.md get_dispatch_layout
 // ---------------------------------------------------------------------------------------------------------
 
 struct RefLayout {
@@ -42,12 +42,12 @@ RefLayout ref_layout_of(const std::vector<int64_t>& topk_idx, int64_t num_tokens
                         int num_experts, int ranks_per_node = 0);
 
 // ---------------------------------------------------------------------------------------------------------
-// §4.3 / §4.4 / §4.5 dispatch, as seen by receiving rank d
+// docs/normal-mode.md dispatch, as seen by receiving rank d
 // ---------------------------------------------------------------------------------------------------------
 
 struct RefDispatch {
   // num_worst_tokens > 0 and N > num_worst_tokens: the dispatch must raise InvalidUsage on EVERY rank
-  // (§4.5). Then only num_recv_rows, cnt, list and rows_per_source are filled.
+  // (docs/normal-mode.md). Then only num_recv_rows, cnt, list and rows_per_source are filled.
   bool overflow = false;
   int64_t num_worst_tokens = 0;          // as passed
   int64_t num_recv_rows = 0;             // N (PAD rows included)
@@ -73,9 +73,9 @@ RefDispatch ref_dispatch(const Problem& problem, int d, ReceiveOrder order, int6
 RefDispatch ref_dispatch_placement(const Problem& problem, int d, ReceiveOrder order,
                                    int64_t expert_alignment = 1, int64_t num_worst_tokens = 0);
 
-// §4.7: places per-rank rows (new_x[s] = [T_s * row_bytes] bytes, any format: a new x, quantized data, or a
-// per-row scale block) at the rows of `placement`: row i gets new_x[src_rank[i]] row src_token[i]; PAD and
-// tail rows are zero. Throws if `placement.overflow`.
+// docs/normal-mode.md: places per-rank rows (new_x[s] = [T_s * row_bytes] bytes, any format: a new x,
+// quantized data, or a per-row scale block) at the rows of `placement`: row i gets new_x[src_rank[i]] row
+// src_token[i]; PAD and tail rows are zero. Throws if `placement.overflow`.
 std::vector<uint8_t> ref_place_rows(const Problem& problem, const RefDispatch& placement,
                                     const std::vector<std::vector<uint8_t>>& new_x, size_t row_bytes);
 
@@ -89,7 +89,7 @@ std::vector<uint8_t> make_expert_output(uint64_t seed, const RefDispatch& dispat
                                         int64_t hidden);
 
 // ---------------------------------------------------------------------------------------------------------
-// §5 combine, as seen by origin rank r
+// docs/normal-mode.md combine, as seen by origin rank r
 // ---------------------------------------------------------------------------------------------------------
 
 struct RefCombine {
@@ -110,9 +110,9 @@ struct RefCombine {
 //   recv_weights_per_rank     rank_major only: g[d] = combine's topk_weights on rank d, [rows_d * K] f32
 //                             (at least N_d rows); nullptr → combined_topk_weights is None.
 //   biases                    0, 1 (tensor) or 2 (tuple) pointers to [T_r * hidden2] in dtype.
-//   ranks_per_node            node partition of the Buffer (§6); 0 = one node.
-// Arithmetic (§5.1): element-wise IEEE f32, RNE, no FMA; acc = +0; per node (ascending) p = +0 plus the
-// node's contributions in canonical order; acc += p; then bias; then one rounding to dtype.
+//   ranks_per_node            node partition of the Buffer (docs/normal-mode.md); 0 = one node.
+// Arithmetic (docs/normal-mode.md): element-wise IEEE f32, RNE, no FMA; acc = +0; per node (ascending) p = +0
+// plus the node's contributions in canonical order; acc += p; then bias; then one rounding to dtype.
 RefCombine ref_combine(const Problem& problem, int r, ReceiveOrder order, int64_t expert_alignment,
                        int64_t num_worst_tokens, DType dtype, int64_t hidden2,
                        const std::vector<std::vector<uint8_t>>& expert_outputs,

@@ -178,7 +178,7 @@ size_t scale_bytes_of(const V2Spec& s) {
   }
 }
 
-// payload(r, t, row) of §4.1: data bytes then scale bytes.
+// payload(r, t, row) of docs/distribute-v2.md: data bytes then scale bytes.
 std::vector<uint8_t> payload(const V2Problem& p, const V2Rank& src, int64_t t, int row) {
   const V2Spec& s = p.spec;
   const DType od = out_dtype_of(s);
@@ -225,7 +225,7 @@ struct RefRow {
   float escale;
 };
 
-// §4.2 on EP group `tp`, receiving rank p.
+// docs/distribute-v2.md on EP group `tp`, receiving rank p.
 std::vector<RefRow> ep_rows(const V2Problem& p, int ep, int tp, std::vector<int32_t>& cnt) {
   const V2Spec& s = p.spec;
   const int W = s.W, K = s.K, S = s.S();
@@ -352,7 +352,7 @@ uint16_t ref_f16_exact_add(uint16_t a, uint16_t b) {
 
 namespace {
 
-// The TP reduce of §6 for one row.
+// The TP reduce of docs/distribute-v2.md for one row.
 std::vector<uint8_t> tp_add(DType dt, const uint8_t* y, const uint8_t* q, int64_t H) {
   std::vector<uint8_t> out(static_cast<size_t>(H) * 2);
   for (int64_t h = 0; h < H; ++h) {
@@ -372,7 +372,7 @@ double rne_int(double v) {
   return std::nearbyint(v);
 }
 
-// comm_quant_mode 2 (§6): encode with groups of 8, decode to dt, as fp32 values.
+// comm_quant_mode 2 (docs/distribute-v2.md): encode with groups of 8, decode to dt, as fp32 values.
 std::vector<float> group8_round_trip(DType dt, const uint8_t* y, int64_t H) {
   std::vector<float> out(static_cast<size_t>(H));
   const float inv127 = f32_from_bits(0x3C010204u);

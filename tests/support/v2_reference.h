@@ -1,5 +1,5 @@
 // support/v2_reference.h — seeded problems and a single-process reference of the operator family
-// (spec/distribute-v2.md §3-§7): every rank regenerates every rank's inputs and computes any rank's expected
+// (docs/distribute-v2.md): every rank regenerates every rank's inputs and computes any rank's expected
 // outputs with plain loops written from the spec, sharing no code with the engine or the transport (payload
 // quantization calls the block quantizers, which have their own bit-exact tests).
 #pragma once
@@ -86,9 +86,9 @@ struct V2DispatchRef {
 };
 V2DispatchRef ref_dispatch_v2(const V2Problem& p, int ep, int tp);
 
-// The fp32 accumulators of combine (§6) on rank (ep, tp), before the final rounding: [bs*H], and the
-// active-token flags. `outs[w]` are the expert outputs (the combine's expand_x) of world rank w, `refs[w]`
-// its dispatch reference. shared_x: add spec's shared_x rows of this rank when true.
+// The fp32 accumulators of combine (docs/distribute-v2.md) on rank (ep, tp), before the final rounding:
+// [bs*H], and the active-token flags. `outs[w]` are the expert outputs (the combine's expand_x) of world rank
+// w, `refs[w]` its dispatch reference. shared_x: add spec's shared_x rows of this rank when true.
 struct V2CombineAcc {
   std::vector<float> acc;
   std::vector<uint8_t> active;
@@ -98,7 +98,7 @@ V2CombineAcc ref_combine_acc(const V2Problem& p, const std::vector<V2DispatchRef
                              bool shared_x);
 // x of combine_v2: RNE_dt of the accumulator; zeros for inactive tokens.
 std::vector<uint8_t> ref_round(const V2Problem& p, const V2CombineAcc& a);
-// combine_add_rms_norm (§7): y, rstd, x.
+// combine_add_rms_norm (docs/distribute-v2.md): y, rstd, x.
 struct V2NormRef {
   std::vector<uint8_t> y, x;
   std::vector<float> rstd;
@@ -106,7 +106,7 @@ struct V2NormRef {
 V2NormRef ref_add_rms_norm(const V2Problem& p, const V2CombineAcc& a, const std::vector<uint8_t>& residual,
                            float eps);
 
-// calc_diff of spec §11: 1 − 2Σa'b'/Σ(a'²+b'²), a' = a+1, b' = b+1, in fp64.
+// calc_diff of docs/distribute-v2.md: 1 − 2Σa'b'/Σ(a'²+b'²), a' = a+1, b' = b+1, in fp64.
 double calc_diff(const std::vector<double>& a, const std::vector<double>& b);
 
 // The exact sum of two fp16 values rounded once to fp16 (reference of the TP reduce).

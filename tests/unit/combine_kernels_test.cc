@@ -1,4 +1,4 @@
-// unit/combine_kernels_test.cc — the combine reductions (spec/normal-mode.md §5.1) against the oracle's own
+// unit/combine_kernels_test.cc — the combine reductions (docs/normal-mode.md) against the oracle's own
 // scalar arithmetic, bit for bit: the one-node reduction (reduce_token) and the two halves of the
 // hierarchical one (reduce_partial, finish_partials); the one-node reduction in every kernel the CPU runs.
 // Widths cover the 64-element register blocks and their tails; inputs include NaN, infinities, -0 and

@@ -1,4 +1,4 @@
-// unit/distribute_v2_kernels_test.cc — the arithmetic of combine_v2 (spec/distribute-v2.md §6, §7) against
+// unit/distribute_v2_kernels_test.cc — the arithmetic of combine_v2 (docs/distribute-v2.md) against
 // the test reference: the fp16 TP sum rounded once, the bf16 TP sum, accumulation order, RMSNorm.
 #include <gtest/gtest.h>
 

@@ -1,6 +1,7 @@
-// unit/quant_blocks_test.cc — property tests of every block quantizer (quant.md §6.5): 10^4 random and
-// adversarial rows each, the §4 round-trip bounds, the §3 structure and special cases, and bit equality with
-// the scalar reference of support/quant_reference.h (which also makes it a vectorized-vs-scalar check).
+// unit/quant_blocks_test.cc — property tests of every block quantizer (docs/quant.md): 10^4 random and
+// adversarial rows each, the docs/quant.md round-trip bounds, the docs/quant.md structure and special cases,
+// and bit equality with the scalar reference of support/quant_reference.h (which also makes it a
+// vectorized-vs-scalar check).
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,6 +1,6 @@
-// unit/quant_elements_test.cc — every element conversion of quant.md §2 against the independent reference of
-// support/quant_reference.h: exhaustive bf16-derived inputs (§6.1), all codes decoded (§6.2), monotonicity
-// (§6.3).
+// unit/quant_elements_test.cc — every element conversion of docs/quant.md against the independent reference
+// of support/quant_reference.h: exhaustive bf16-derived inputs (docs/quant.md), all codes decoded
+// (docs/quant.md), monotonicity (docs/quant.md).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,8 +21,8 @@ namespace q = epcomm::quant;
 namespace ref = epcomm::testing::qref;
 using epcomm::Saturation;
 
-// §6.1: all 65,536 bf16 patterns widened, plus every high half with twelve fixed low halves (ties, near-ties,
-// double-rounding traps) and two random ones.
+// docs/quant.md: all 65,536 bf16 patterns widened, plus every high half with twelve fixed low halves (ties,
+// near-ties, double-rounding traps) and two random ones.
 const std::vector<uint32_t>& exhaustive_inputs() {
   static const std::vector<uint32_t> inputs = [] {
     std::vector<uint32_t> v;
@@ -119,7 +119,7 @@ TEST(quant_elements, ExhaustiveInt8Sat) {
   }
 }
 
-// ---- §6.2 decoding ----
+// ---- docs/quant.md decoding ----
 
 // Library decode vs the field formulas; NaN codes must give exactly the canonical 0x7FC00000.
 void check_decode(const char* name, int ncodes, const std::function<float(uint32_t)>& lib,
@@ -213,7 +213,7 @@ TEST(quant_elements, F4x2Packing) {
     }
 }
 
-// ---- §6.3 monotonicity ----
+// ---- docs/quant.md monotonicity ----
 
 TEST(quant_elements, Monotone) {
   std::vector<float> xs;

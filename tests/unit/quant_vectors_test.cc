@@ -1,4 +1,4 @@
-// unit/quant_vectors_test.cc — every test vector of spec/quant.md, bit for bit, table-driven. Test names
+// unit/quant_vectors_test.cc — every test vector of docs/quant.md, bit for bit, table-driven. Test names
 // carry the vector's evidence tag: I (independent implementation), G (upstream golden), F (spec formulas).
 #include <gtest/gtest.h>
 
@@ -31,7 +31,7 @@ uint32_t B(float f) {
   return u;
 }
 
-// ---- §1 constants ----
+// ---- docs/quant.md constants ----
 
 TEST(quant_vectors, F_Constants) {
   EXPECT_EQ(B(1.0f / 127.0f), 0x3C010204u);
@@ -41,7 +41,7 @@ TEST(quant_vectors, F_Constants) {
   EXPECT_EQ(B(1e-4f), 0x38D1B717u);
 }
 
-// ---- §2.1 ----
+// ---- docs/quant.md ----
 
 struct Pair {
   uint32_t in, out;
@@ -68,7 +68,7 @@ TEST(quant_vectors, F_Fp16Nan) {
   EXPECT_EQ(q::to_fp16_bits(F(0xffc00001)), 0x7e00);
 }
 
-// ---- §2.4 element table: e4m3, e4m3 nosat, e5m2, e5m2 nosat, e2m1, hif8 ----
+// ---- docs/quant.md element table: e4m3, e4m3 nosat, e5m2, e5m2 nosat, e2m1, hif8 ----
 
 struct ElemRow {
   uint32_t in;
@@ -137,7 +137,7 @@ TEST(quant_vectors, F_ElementTableSatInfAndFp4Nan) {
   EXPECT_EQ(q::encode_e2m1(F(0xffc00000)), 0x0);
 }
 
-// ---- §2.5 e8m0 ----
+// ---- docs/quant.md e8m0 ----
 
 TEST(quant_vectors, F_E8m0) {
   const Pair dec[] = {
@@ -152,7 +152,7 @@ TEST(quant_vectors, F_E8m0) {
   for (auto [t, s] : ceil) EXPECT_EQ(q::e8m0_ceil(F(t)), s) << std::hex << t;
 }
 
-// ---- §2.6 HiFloat8 ----
+// ---- docs/quant.md HiFloat8 ----
 
 TEST(quant_vectors, G_Hif8) {
   const Pair v[] = {{0x3638c290, 0x04}, {0x358b4f67, 0x03}, {0x3f48849e, 0x1d}, {0x3cfdc7cd, 0x54},
@@ -188,7 +188,7 @@ TEST(quant_vectors, F_Hif8) {
   EXPECT_EQ(q::decode_hif8(0x01), std::ldexp(1.0f, -22));
 }
 
-// ---- §5.1 int8 per token ----
+// ---- docs/quant.md int8 per token ----
 
 struct Int8Row {
   std::vector<float> x;
@@ -249,7 +249,8 @@ TEST(quant_vectors, F_Int8PerToken) {
   }
 }
 
-// Row T: element 7 is an exact tie whose error is 0.500004 * scale (why the §4 bound is not scale/2).
+// Row T: element 7 is an exact tie whose error is 0.500004 * scale (why the docs/quant.md bound is not
+// scale/2).
 TEST(quant_vectors, F_Int8RowTBound) {
   auto r = int8_rows()[4];
   std::vector<int8_t> qv(8);
@@ -260,7 +261,7 @@ TEST(quant_vectors, F_Int8RowTBound) {
   EXPECT_LE(err, (0.5 + std::ldexp(1.0, -12)) * s);
 }
 
-// ---- §5.2 fp8 per token and per group ----
+// ---- docs/quant.md fp8 per token and per group ----
 
 std::vector<float> r1() {
   return {3.0f, -1.5f, F(0x3c23d70a), F(0x4039999a)};
@@ -363,7 +364,7 @@ TEST(quant_vectors, F_Fp8PerGroup128) {
   expect_codes(codes, 0, {0x7f, 0x7f});
 }
 
-// ---- §5.3 MX ----
+// ---- docs/quant.md MX ----
 
 struct MxCase {
   const char* tag;

@@ -1,5 +1,5 @@
 // unit/reference_test.cc — pins the test oracle (tests/support) against hand-worked numbers from
-// spec/normal-mode.md, and checks the seeded problem generator's promises.
+// docs/normal-mode.md, and checks the seeded problem generator's promises.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -77,7 +77,7 @@ Problem example() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Scalar conversions (quant.md §2.1 vectors)
+// Scalar conversions (docs/quant.md vectors)
 // ---------------------------------------------------------------------------------------------------------
 
 TEST(ReferenceFloat, Bf16Vectors) {
@@ -121,7 +121,7 @@ TEST(ReferenceFloat, F32OutputCanonicalizesNaN) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §3 layout
+// docs/normal-mode.md layout
 // ---------------------------------------------------------------------------------------------------------
 
 TEST(ReferenceLayout, WorkedExample) {
@@ -168,7 +168,7 @@ TEST(ReferenceLayout, ZeroTokens) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §4.3 expert_major
+// docs/normal-mode.md expert_major
 // ---------------------------------------------------------------------------------------------------------
 
 TEST(ReferenceDispatch, ExpertMajorWorkedExample) {
@@ -220,7 +220,7 @@ TEST(ReferenceDispatch, ExpertMajorAlignmentPads) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §4.4 rank_major
+// docs/normal-mode.md rank_major
 // ---------------------------------------------------------------------------------------------------------
 
 TEST(ReferenceDispatch, RankMajorWorkedExample) {
@@ -262,7 +262,7 @@ TEST(ReferenceDispatch, RankMajorWithoutTopk) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §4.5 worst case, zero tokens
+// docs/normal-mode.md worst case, zero tokens
 // ---------------------------------------------------------------------------------------------------------
 
 TEST(ReferenceDispatch, WorstCaseTail) {
@@ -313,7 +313,7 @@ TEST(ReferenceDispatch, ZeroTokenRanks) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §4.7 cached dispatch
+// docs/normal-mode.md cached dispatch
 // ---------------------------------------------------------------------------------------------------------
 
 TEST(ReferenceDispatch, CachedPlacement) {
@@ -334,7 +334,7 @@ TEST(ReferenceDispatch, CachedPlacement) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// §5 combine
+// docs/normal-mode.md combine
 // ---------------------------------------------------------------------------------------------------------
 
 const float kNaN = f32_from_bits(0x7FC00000);

@@ -55,7 +55,8 @@ const char* kBenchEpilog =
     "local expert, token, slot; rank_major: one row per (token, destination rank), by token);\n"
     "MPI_Alltoallv of rows, ids and weights; unpack into epcomm's receive order (expert_major: blocks per\n"
     "local expert, sources in rank order, PAD rows to the alignment; rank_major lands in order). combine:\n"
-    "pack per source, MPI_Alltoallv back (rank_major also the weights), then spec §5.1's fp32 reduction\n"
+    "pack per source, MPI_Alltoallv back (rank_major also the weights), then docs/normal-mode.md's fp32 "
+    "reduction\n"
     "in canonical order (slot k, or destination rank), one rounding. Its first iteration must equal\n"
     "epcomm's first outputs bitwise (baseline_verified; compared through a 64-bit digest of every\n"
     "row). Its packing, unpacking and reduction run on the calling thread of each rank, whatever\n"
@@ -131,13 +132,13 @@ const char* kBenchEpilog =
     "--plot FILE.svg: after the run, one SVG file: GB/s against tokens per rank (log2 axis) for epcomm,\n"
     "the baseline and memcpy_gbps, one panel per operation and order. Sweep --tokens to make it a curve.\n\n"
     "--quantizers: instead of dispatch and combine, the single-thread throughput of every block quantizer\n"
-    "(quant.md §3) and its dequantizer on a --tokens x --hidden bf16 matrix of random values (--hidden a\n"
+    "(docs/quant.md) and its dequantizer on a --tokens x --hidden bf16 matrix of random values (--hidden a\n"
     "multiple of 32), best of --iters passes each, one JSON line per algorithm and variant:\n"
     "  {\"op\": \"quantize\"|\"dequantize\", \"algo\", \"variant\" (default, or smooth|ue8m0|rceil), "
     "\"hidden\",\n"
     "   \"rows\", \"iters\", \"gbps_bf16_in\": rows x hidden x 2 bytes / best pass / 1e9, \"threads\": 1}\n"
     "  (for dequantize the same bf16-equivalent byte count of the elements produced). Target: at least\n"
-    "  1 GB/s of bf16 input per core for every quantize algorithm (quant.md §7); --tokens 4096 --hidden\n"
+    "  1 GB/s of bf16 input per core for every quantize algorithm (docs/quant.md); --tokens 4096 --hidden\n"
     "  7168 is the spec's matrix. Only --tokens, --hidden, --iters and --quiet apply.\n\n"
     "Exit status: 0 when every check passed, 1 when one failed (verified or baseline_verified false) or a\n"
     "runtime error, 2 a usage error.\n";
@@ -244,7 +245,7 @@ DispatchArgs dispatch_args(const RunOptions& ro, ReceiveOrder order, const Input
 std::unique_ptr<AlltoallvBaseline> make_baseline(const RunOptions& ro, ReceiveOrder order, Bootstrap& bs,
                                                  const Inputs& in, Buffer& buffer) {
   BaselineInputs bi;
-  if (buffer.num_nodes() > 1)  // the reduction then goes node by node (spec §5.1), as epcomm's does
+  if (buffer.num_nodes() > 1)  // the reduction then goes node by node (docs/normal-mode.md), as epcomm's does
     for (int r = 0; r < bs.size(); ++r) bi.node_of_rank.push_back(buffer.node_of(r));
   bi.rank = bs.rank();
   bi.ranks = bs.size();
@@ -325,9 +326,9 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     if (sx.nbytes()) std::memcpy(sx.data(), in.x_t.data(), sx.nbytes());
     da.x.data = sx;
   }
-  // --cached: one fresh dispatch, untimed, whose handle every timed dispatch of the line passes (spec §4.7:
-  // x only; the layout, counts, ids and weights are not sent again). It stays alive: the combines use its
-  // handle, ids and weights, and the cached rows are checked bitwise against its rows.
+  // --cached: one fresh dispatch, untimed, whose handle every timed dispatch of the line passes
+  // (docs/normal-mode.md: x only; the layout, counts, ids and weights are not sent again). It stays alive:
+  // the combines use its handle, ids and weights, and the cached rows are checked bitwise against its rows.
   std::optional<DispatchResult> fresh;
   if (o.cached) {
     bs.barrier();

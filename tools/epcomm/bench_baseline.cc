@@ -288,8 +288,8 @@ void AlltoallvBaseline::combine(const std::byte* expert_out, const float* recv_w
                             s.sd.data(), s.w_type, MPI_COMM_WORLD),
               "MPI_Alltoallv of the top-k weights");
   }
-  // spec §5.1: per token, +0.0 plus each contribution in canonical order (slot k, or destination rank d),
-  // f32 with no FMA (the build forbids contraction), one rounding to the dtype.
+  // docs/normal-mode.md: per token, +0.0 plus each contribution in canonical order (slot k, or destination
+  // rank d), f32 with no FMA (the build forbids contraction), one rounding to the dtype.
   s.combined_x.resize(static_cast<size_t>(T * rb));
   s.combined_w.resize(static_cast<size_t>(T * K));
   // Across nodes: per node in ascending order, a partial from +0.0, added to the total (never rounded).

@@ -34,14 +34,15 @@ struct BaselineInputs {
   const std::byte* x = nullptr;
   const int64_t* ids = nullptr;
   const float* weights = nullptr;
-  std::vector<int> node_of_rank;  // empty: one node; else the node partition, for the §5.1 reduction order
+  std::vector<int>
+      node_of_rank;  // empty: one node; else the node partition, for the docs/normal-mode.md reduction order
 };
 
 // Dispatch and combine over MPI_COMM_WORLD with MPI_Alltoallv, producing epcomm's outputs bit for bit:
-// recv_x, recv_topk_idx and recv_topk_weights in the receive order of spec/normal-mode.md §4.3 (PAD rows
-// included) or §4.4, the aligned per-expert list, and combine's §5.1 canonical fp32 reduction.
-// Both calls are collective over MPI_COMM_WORLD; not thread-safe. Buffers are allocated on the first call
-// and reused, as a user's loop would.
+// recv_x, recv_topk_idx and recv_topk_weights in the receive order of docs/normal-mode.md (PAD rows
+// included) or docs/normal-mode.md, the aligned per-expert list, and combine's docs/normal-mode.md canonical
+// fp32 reduction. Both calls are collective over MPI_COMM_WORLD; not thread-safe. Buffers are allocated on
+// the first call and reused, as a user's loop would.
 class AlltoallvBaseline {
  public:
   explicit AlltoallvBaseline(const BaselineInputs& in);

@@ -95,7 +95,7 @@ std::vector<int32_t> routing_of(const V2BenchOptions& o, int r) {
   return ids;
 }
 
-// Row i of expand_x dequantized to fp32 (quant.md §4).
+// Row i of expand_x dequantized to fp32 (docs/quant.md).
 void dequant_row(const V2BenchOptions& o, const moe::DispatchV2Result& d, int64_t i, float* out) {
   const int64_t H = o.hidden;
   const uint8_t* q =
@@ -338,7 +338,7 @@ std::vector<int> parse_ranks(const std::string& s) {
 int run_bench_v2(int argc, char** argv) {
   FlagParser p(
       "epcomm bench --api distribute-v2", "epcomm bench --api distribute-v2 [flags]",
-      "Times dispatch_v2 and combine_v2 (spec/distribute-v2.md) between local ranks in the decode shape;\n"
+      "Times dispatch_v2 and combine_v2 (docs/distribute-v2.md) between local ranks in the decode shape;\n"
       "prints one JSON object per line (rank 0, stdout) per operation and rank count.");
   p.add("api", "NAME", "normal", "distribute-v2 selects this benchmark (removed before parsing)");
   p.add("ranks", "N[,N...]", "2,4,8", "rank counts to run, one after the other");

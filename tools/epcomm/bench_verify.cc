@@ -28,7 +28,8 @@ std::string row_str(int64_t i, const RecvRow& e) {
   return os.str();
 }
 
-// The rows rank r must receive, in order (spec §4.3 expert_major with its PAD rows, §4.4 rank_major).
+// The rows rank r must receive, in order (docs/normal-mode.md expert_major with its PAD rows,
+// docs/normal-mode.md rank_major).
 std::vector<RecvRow> expected_rows(const RunOptions& o, ReceiveOrder order, int r,
                                    const std::vector<Routing>& all) {
   const int L = o.local_experts(), K = o.topk;
@@ -99,7 +100,7 @@ std::string check_row_payload(const RunOptions& o, int64_t i, const RecvRow& e, 
   return "";
 }
 
-// A PAD row (spec §4.3): payload bytes (data and scales) zero, recv_topk_idx all -1, weights +0.0.
+// A PAD row (docs/normal-mode.md): payload bytes (data and scales) zero, recv_topk_idx all -1, weights +0.0.
 std::string check_pad_row(const RunOptions& o, int64_t i, const DispatchResult& d) {
   const int K = o.topk;
   const int64_t rows = d.recv_x.data.size(0);

@@ -21,7 +21,7 @@ struct Routing {
 };
 Routing bench_routing(const RunOptions& o, int s);
 
-// Checks a dispatch on rank r against spec/normal-mode.md §4.3/§4.4 computed from the seed: row count and
+// Checks a dispatch on rank r against docs/normal-mode.md computed from the seed: row count and
 // list, each row's source (handle) and payload bytes (bitwise; the quantized bytes for quantizing modes),
 // recv_topk_idx and recv_topk_weights. Returns "" when it matches, else what differs first.
 std::string verify_dispatch(const RunOptions& o, ReceiveOrder order, int r, const DispatchResult& d);

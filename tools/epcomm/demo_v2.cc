@@ -1,5 +1,5 @@
 // tools/epcomm/demo_v2.cc — `epcomm demo --api distribute-v2`: one MoE layer forward through dispatch_v2 and
-// combine_v2 (spec/distribute-v2.md) with a shared expert on the first rank(s), checked against a dense
+// combine_v2 (docs/distribute-v2.md) with a shared expert on the first rank(s), checked against a dense
 // single-process reference.
 #include <algorithm>
 #include <cmath>

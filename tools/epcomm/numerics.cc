@@ -113,7 +113,8 @@ void recv_row_f32(const Payload& recv_x, std::optional<QuantMode> quant, int64_t
     load_row(recv_x.data.dtype(), static_cast<const std::byte*>(recv_x.data.data()) + i * row_bytes, H, out);
     return;
   }
-  // Quantized rows: row i owns a fixed slice of the data and of the (possibly flat) scales (spec §4.6).
+  // Quantized rows: row i owns a fixed slice of the data and of the (possibly flat) scales
+  // (docs/normal-mode.md).
   const size_t data_bytes = quant::row_data_bytes(*quant, H), scale_bytes = quant::row_scale_bytes(*quant, H);
   quant::dequantize_row(*quant, static_cast<const std::byte*>(recv_x.data.data()) + i * data_bytes,
                         static_cast<const std::byte*>(recv_x.scales->data()) + i * scale_bytes, H, out);

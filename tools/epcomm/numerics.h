@@ -34,7 +34,7 @@ class RandomStream {
   uint64_t key_;
 };
 
-// Element conversions (round to nearest even, spec/quant.md §2.1) for bf16, f16 and f32.
+// Element conversions (round to nearest even, docs/quant.md) for bf16, f16 and f32.
 float load_elem(DType dtype, const void* base, int64_t i);
 void store_elem(DType dtype, void* base, int64_t i, float v);
 void load_row(DType dtype, const void* row, int64_t n, float* out);

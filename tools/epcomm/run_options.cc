@@ -55,7 +55,7 @@ void add_run_flags(FlagParser& p, const RunDefaults& d) {
   p.add("experts", "E", std::to_string(d.experts), "number of experts (a multiple of --ranks)");
   p.add("topk", "K", std::to_string(d.topk), "experts per token (<= --experts)");
   p.add("order", "expert_major|rank_major", d.order,
-        std::string("receive order of dispatch (spec/normal-mode.md §4.3, §4.4)") +
+        std::string("receive order of dispatch (docs/normal-mode.md)") +
             (d.order.empty() ? " (default: both, one after the other)" : ""));
   p.add("dtype", "bf16|f16|f32", "bf16", "element type of the tokens and of the expert outputs");
   p.add("seed", "S", "1", "seed of every generated input (equal on all ranks)");

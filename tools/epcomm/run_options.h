@@ -41,7 +41,8 @@ struct RunOptions {
   int local_experts() const { return experts / ranks; }
   // Whether dispatch quantizes the rows (a --quant mode other than bf16, which copies bf16 rows).
   bool quantizes() const { return quant && *quant != QuantMode::bf16; }
-  // Payload bytes of one dispatched row: H * elem, or the quantized data and scale bytes (spec §4.6).
+  // Payload bytes of one dispatched row: H * elem, or the quantized data and scale bytes
+  // (docs/normal-mode.md).
   int64_t dispatch_row_bytes() const;
   std::string quant_name() const { return quant ? quant_mode_name(*quant) : "none"; }
 };

@@ -9,7 +9,7 @@ namespace epcomm::cli {
 int run_demo(int argc, char** argv);
 int run_bench(int argc, char** argv);
 
-// The operator family (spec/distribute-v2.md): `epcomm bench|demo --api distribute-v2`.
+// The operator family (docs/distribute-v2.md): `epcomm bench|demo --api distribute-v2`.
 int run_demo_v2(int argc, char** argv);
 int run_bench_v2(int argc, char** argv);
 // Removes --api NAME (or --api=NAME) from argv and returns NAME: "normal" (the default) or "distribute-v2";
