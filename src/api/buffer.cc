@@ -556,8 +556,6 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   if (!verr) {
     in->allocator = b.allocator.get();
     in->poison = env::poison_outputs();
-    in->buffer_key = &b;
-    in->buffer_alive = b.alive;
     in->counters = &b.counters;
     if (!cached) {
       out->handle = std::make_shared<Handle::Impl>();

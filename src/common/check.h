@@ -57,6 +57,13 @@ std::string cat(const Args&... args) {
   } while (0)
 
 // Internal invariants (not user input): always on, they guard memory safety of the copy loops.
+// A broken invariant of epcomm's own (a bug) whose message says what broke: Internal, with the message as
+// given.
+#define EPCOMM_CHECK_INTERNAL(cond, ...)              \
+  do {                                                \
+    if (!(cond)) EPCOMM_THROW(Internal, __VA_ARGS__); \
+  } while (0)
+
 #define EPCOMM_ASSERT(cond, ...)                                                               \
   do {                                                                                         \
     if (!(cond)) EPCOMM_THROW(Internal, "internal invariant failed: " #cond " ", __VA_ARGS__); \

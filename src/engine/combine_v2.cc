@@ -286,14 +286,14 @@ void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Out
       const int64_t count = *reinterpret_cast<const int32_t*>(base);
       const int32_t* ent = reinterpret_cast<const int32_t*>(base + 8);
       const uint8_t* rows_at = base + compact_head(count);
-      EPCOMM_CHECK(count >= 0 && count <= n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
-                   inter->topo.rail(n), " (proxy on node ", n, ") returned ", count, " rows for window ", w,
-                   " of ", n_slots, " slots");
+      EPCOMM_CHECK_INTERNAL(count >= 0 && count <= n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
+                            inter->topo.rail(n), " (proxy on node ", n, ") returned ", count,
+                            " rows for window ", w, " of ", n_slots, " slots");
       for (int64_t e = 0; e < count; ++e) {
         const int32_t idx = ent[2 * e], writer = ent[2 * e + 1];
-        EPCOMM_CHECK(idx >= 0 && idx < n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
-                     inter->topo.rail(n), " (proxy on node ", n, ") returned slot ", idx, " outside window ",
-                     w);
+        EPCOMM_CHECK_INTERNAL(idx >= 0 && idx < n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
+                              inter->topo.rail(n), " (proxy on node ", n, ") returned slot ", idx,
+                              " outside window ", w);
         const uint64_t local = tag_at(me, idx)->load(std::memory_order_acquire);
         const int other = remote_row[idx]           ? remote_writer[idx]
                           : stamp_is(local, seq, w) ? stamp_writer(local)

@@ -639,8 +639,8 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
         int32_t row = hd->source_rows[pos];
         if (src_tok[row] >= t1) break;
         while (e < win.count && win.token(e) < src_tok[row]) ++e;  // ascending; holds every token we need
-        EPCOMM_CHECK(e < win.count && win.token(e) == src_tok[row], ctx.prefix(), "internal: token ",
-                     src_tok[row], " of rank ", s, " missing from its forwarded window ", w);
+        EPCOMM_CHECK_INTERNAL(e < win.count && win.token(e) == src_tok[row], ctx.prefix(), "internal: token ",
+                              src_tok[row], " of rank ", s, " missing from its forwarded window ", w);
         o.copy_payload(row, payload_of(e));
         ++pos;
       }

@@ -53,8 +53,6 @@ struct DispatchInput {
   int32_t chunks[4] = {0, 0, 0, 0};
   Allocator* allocator = nullptr;
   bool poison = false;
-  const void* buffer_key = nullptr;
-  std::weak_ptr<void> buffer_alive;
   std::optional<Tensor> cost_stats;  // [R] i64 or i32, accumulated
   std::vector<Tensor> keep;          // user tensors held until the call completes
 };
