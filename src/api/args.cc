@@ -182,6 +182,8 @@ void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
   EPCOMM_CHECK(x.defined(), "argument: x: expected a [num_tokens, hidden] tensor, got None");
   EPCOMM_CHECK(x.dim() == 2, "argument: x: expected a 2-D [num_tokens, hidden] tensor, got shape ",
                shape_str(x.shape()));
+  EPCOMM_CHECK(x.size(1) >= 1, "argument: x: hidden (columns) must be >= 1, got shape ",
+               shape_str(x.shape()));
   check_contiguous(x, "x");
   in.x = x.data_as<uint8_t>();
   in.x_dtype = x.dtype();
@@ -251,6 +253,7 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   const int R = b.num_ranks;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
+  in.threads = engine::copy_threads(a.config ? a.config->num_threads : Buffer::num_threads(), b.transport->size());
   check_stats(a.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", R);
   if (a.dispatch_wait_recv_cost_stats) {
     in.cost_stats = a.dispatch_wait_recv_cost_stats;
@@ -425,6 +428,7 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   in.keep_handle = a.handle;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
+  in.threads = engine::copy_threads(a.config ? a.config->num_threads : Buffer::num_threads(), b.transport->size());
   check_stats(a.combine_send_cost_stats, "combine_send_cost_stats", R);
   if (a.combine_send_cost_stats) {
     in.cost_stats = a.combine_send_cost_stats;
@@ -436,6 +440,8 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
                x.defined() ? shape_str(x.shape()) : std::string("None"));
   EPCOMM_CHECK(x.size(0) == hd.num_rows, "argument: x: shape ", shape_str(x.shape()), ", expected [",
                hd.num_rows, ", hidden] = [handle.num_rows, hidden]");
+  EPCOMM_CHECK(x.size(1) >= 1, "argument: x: hidden (columns) must be >= 1, got shape ",
+               shape_str(x.shape()));
   check_dtype(x, "x", {DType::bf16, DType::f16, DType::f32});
   check_contiguous(x, "x");
   in.dtype = x.dtype();
