@@ -253,7 +253,6 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   const int R = b.num_ranks;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
-  in.threads = engine::copy_threads(a.config ? a.config->num_threads : Buffer::num_threads(), b.transport->size());
   check_stats(a.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", R);
   if (a.dispatch_wait_recv_cost_stats) {
     in.cost_stats = a.dispatch_wait_recv_cost_stats;
@@ -428,7 +427,6 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   in.keep_handle = a.handle;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
-  in.threads = engine::copy_threads(a.config ? a.config->num_threads : Buffer::num_threads(), b.transport->size());
   check_stats(a.combine_send_cost_stats, "combine_send_cost_stats", R);
   if (a.combine_send_cost_stats) {
     in.cost_stats = a.combine_send_cost_stats;
