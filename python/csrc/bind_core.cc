@@ -43,6 +43,23 @@ std::shared_ptr<Group> group_from_callbacks(int rank, int size, py::object all_g
   return Group::create(make_callback_bootstrap(rank, size, std::move(gather), std::move(wait_all)));
 }
 
+// An int argument of a Config method within [lo, hi] (InvalidUsage naming it otherwise, not pybind's
+// TypeError).
+int64_t int_arg(const py::handle& v, const char* op, const char* name, int64_t lo = INT32_MIN,
+                int64_t hi = INT32_MAX) {
+  int overflow = 0;
+  const bool is_int = py::isinstance<py::int_>(v);
+  const long long x = is_int ? PyLong_AsLongLongAndOverflow(v.ptr(), &overflow) : 0;
+  if (!is_int || overflow || x < lo || x > hi)
+    throw Error(ErrorCode::InvalidUsage, std::string(op) + ": argument: " + name + ": expected an int in [" +
+                                             std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
+                                             py::str(v).cast<std::string>());
+  return x;
+}
+int int32_arg(const py::handle& v, const char* op, const char* name) {
+  return static_cast<int>(int_arg(v, op, name));
+}
+
 std::string config_repr(const Config& c) {
   std::ostringstream os;
   os << "Config(num_threads=" << c.num_threads
@@ -60,19 +77,21 @@ void bind_config(py::module_& m) {
       "Config(num_threads=0, num_max_nvl_chunked_send_tokens=32, num_max_nvl_chunked_recv_tokens=256,\n"
       "       num_max_rdma_chunked_send_tokens=32, num_max_rdma_chunked_recv_tokens=256)\n"
       "DeepEP's positional Config(num_sms, a, b, c, d) reads num_sms as num_threads.")
-      .def(py::init([](int n, int a, int b, int c, int d) {
-             Config cfg;
-             cfg.num_threads = n;
-             cfg.num_max_nvl_chunked_send_tokens = a;
-             cfg.num_max_nvl_chunked_recv_tokens = b;
-             cfg.num_max_rdma_chunked_send_tokens = c;
-             cfg.num_max_rdma_chunked_recv_tokens = d;
-             cfg.validate();
-             return cfg;
-           }),
-           py::arg("num_threads") = 0, py::arg("num_max_nvl_chunked_send_tokens") = 32,
-           py::arg("num_max_nvl_chunked_recv_tokens") = 256, py::arg("num_max_rdma_chunked_send_tokens") = 32,
-           py::arg("num_max_rdma_chunked_recv_tokens") = 256)
+      .def(
+          py::init([](const py::object& n, const py::object& a, const py::object& b, const py::object& c,
+                      const py::object& d) {
+            Config cfg;
+            cfg.num_threads = int32_arg(n, "Config", "num_threads");
+            cfg.num_max_nvl_chunked_send_tokens = int32_arg(a, "Config", "num_max_nvl_chunked_send_tokens");
+            cfg.num_max_nvl_chunked_recv_tokens = int32_arg(b, "Config", "num_max_nvl_chunked_recv_tokens");
+            cfg.num_max_rdma_chunked_send_tokens = int32_arg(c, "Config", "num_max_rdma_chunked_send_tokens");
+            cfg.num_max_rdma_chunked_recv_tokens = int32_arg(d, "Config", "num_max_rdma_chunked_recv_tokens");
+            cfg.validate();
+            return cfg;
+          }),
+          py::arg("num_threads") = 0, py::arg("num_max_nvl_chunked_send_tokens") = 32,
+          py::arg("num_max_nvl_chunked_recv_tokens") = 256, py::arg("num_max_rdma_chunked_send_tokens") = 32,
+          py::arg("num_max_rdma_chunked_recv_tokens") = 256)
       .def_readwrite("num_threads", &Config::num_threads)
       .def_property(
           "num_sms", [](const Config& c) { return c.num_threads; },
@@ -84,14 +103,22 @@ void bind_config(py::module_& m) {
       .def("validate", &Config::validate)
       .def(
           "get_nvl_buffer_size_hint",
-          [](const Config& c, int64_t hidden_bytes, int num_ranks, std::optional<int> ranks_per_node) {
-            return c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node.value_or(0));
+          [](const Config& c, const py::object& hidden_bytes, const py::object& num_ranks,
+             const py::object& ranks_per_node) {
+            const char* op = "get_nvl_buffer_size_hint";
+            const int rpn = ranks_per_node.is_none() ? 0 : int32_arg(ranks_per_node, op, "ranks_per_node");
+            return c.get_nvl_buffer_size_hint(int_arg(hidden_bytes, op, "hidden_bytes", 0, int64_t{1} << 40),
+                                              int32_arg(num_ranks, op, "num_ranks"), rpn);
           },
           py::arg("hidden_bytes"), py::arg("num_ranks"), py::arg("ranks_per_node") = py::none())
       .def(
           "get_rdma_buffer_size_hint",
-          [](const Config& c, int64_t hidden_bytes, int num_ranks, std::optional<int> ranks_per_node) {
-            return c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node.value_or(0));
+          [](const Config& c, const py::object& hidden_bytes, const py::object& num_ranks,
+             const py::object& ranks_per_node) {
+            const char* op = "get_rdma_buffer_size_hint";
+            const int rpn = ranks_per_node.is_none() ? 0 : int32_arg(ranks_per_node, op, "ranks_per_node");
+            return c.get_rdma_buffer_size_hint(int_arg(hidden_bytes, op, "hidden_bytes", 0, int64_t{1} << 40),
+                                               int32_arg(num_ranks, op, "num_ranks"), rpn);
           },
           py::arg("hidden_bytes"), py::arg("num_ranks"), py::arg("ranks_per_node") = py::none())
       .def("__repr__", &config_repr)

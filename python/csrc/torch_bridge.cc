@@ -187,6 +187,13 @@ std::optional<Tensor> from_torch(const std::optional<at::Tensor>& t, const char*
 }
 
 at::Tensor to_torch(const Tensor& t) {
+  // torch rejects (with c10::Error) a view whose extent overflows: epcomm must never hand one out.
+  __int128 extent = 1;
+  for (size_t i = 0; i < t.shape().size(); ++i)
+    if (t.shape()[i] > 0) extent += static_cast<__int128>(t.shape()[i] - 1) * t.strides()[i];
+  if (extent * static_cast<__int128>(dtype_size(t.dtype())) >= (static_cast<__int128>(1) << 62))
+    throw Error(ErrorCode::Internal,
+                "to_torch: a tensor of shape " + shape_str(t.shape()) + " spans more than 2^62 bytes");
   const at::ScalarType type = torch_dtype(t.dtype());
   const std::shared_ptr<void>& owner = t.owner();
   if (owner && std::get_deleter<TorchOwnerDeleter>(owner)) {

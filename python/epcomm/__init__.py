@@ -11,6 +11,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from ._errors import AbortedError, Error, InternalError, InvalidUsageError, SystemError, TimeoutError
+from ._errors import INT32, int_arg
 from .buffer import Buffer, Config
 from .event import EventOverlap
 from .group import Group
@@ -24,12 +25,19 @@ __version__ = _C.__version__
 def min_nvl_bytes(row_bytes, num_topk, num_ranks, ranks_per_node=None):
     """Segment size (num_nvl_bytes) with which every call whose record has row_bytes of payload and num_topk
     slots succeeds (it may move in rounds)."""
-    return _C.min_nvl_bytes(int(row_bytes), int(num_topk), int(num_ranks), ranks_per_node)
+    return _C.min_nvl_bytes(*_size_args("min_nvl_bytes", row_bytes, num_topk, num_ranks, ranks_per_node))
 
 
 def min_rdma_bytes(row_bytes, num_topk, num_ranks, ranks_per_node=None):
     """Internode staging size with which every such call succeeds (0 on one node)."""
-    return _C.min_rdma_bytes(int(row_bytes), int(num_topk), int(num_ranks), ranks_per_node)
+    return _C.min_rdma_bytes(*_size_args("min_rdma_bytes", row_bytes, num_topk, num_ranks, ranks_per_node))
+
+
+def _size_args(op, row_bytes, num_topk, num_ranks, ranks_per_node):
+    pre = f"{op}: "
+    return (int_arg(row_bytes, "row_bytes", (0, 1 << 40), pre), int_arg(num_topk, "num_topk", INT32, pre),
+            int_arg(num_ranks, "num_ranks", INT32, pre),
+            None if ranks_per_node is None else int_arg(ranks_per_node, "ranks_per_node", INT32, pre))
 
 
 __all__ = [

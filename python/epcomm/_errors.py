@@ -1,5 +1,7 @@
 """epcomm's exceptions. The C++ core raises them with the same messages as its epcomm::Error codes."""
 import builtins
+import math
+import operator
 
 
 class Error(RuntimeError):
@@ -24,3 +26,36 @@ class SystemError(Error):  # noqa: A001 - epcomm.SystemError, distinct from the 
 
 class InternalError(Error):
     """A broken invariant inside epcomm: a bug, please report it with the message."""
+
+
+class IndexError(InvalidUsageError, builtins.IndexError):  # noqa: A001 - also the builtin (tuple protocol)
+    """A handle index out of range: InvalidUsageError and the builtin IndexError (iteration ends on it)."""
+
+
+class KeyError(InvalidUsageError, builtins.KeyError):  # noqa: A001 - also the builtin (mapping protocol)
+    """A handle key it does not have: InvalidUsageError and the builtin KeyError."""
+
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
+INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def int_arg(value, name, bounds=INT64, prefix=""):
+    """An integer argument (not a float, a string or None), within bounds (inclusive): else InvalidUsageError
+    naming it, so that no pybind TypeError or Python ValueError leaves the API."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise InvalidUsageError(f"{prefix}argument: {name}: expected an int, got {type(value).__name__}") from None
+    lo, hi = bounds
+    if not lo <= v <= hi:
+        what = "a 64-bit integer" if bounds == INT64 else "a 32-bit integer" if bounds == INT32 else "an int"
+        raise InvalidUsageError(f"{prefix}argument: {name}: expected {what} in [{lo}, {hi}], got {v}")
+    return v
+
+
+def number_arg(value, name, prefix=""):
+    """A real number of seconds or the like: an int or a float, finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidUsageError(f"{prefix}argument: {name}: expected a finite number, got {value!r}")
+    return float(value)

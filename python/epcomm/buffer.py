@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._dtypes import PLAIN, as_format, byte_view, tuple_formats
-from ._errors import Error, InvalidUsageError
+from ._errors import INT32, Error, InvalidUsageError, int_arg, number_arg
 from .alltoall import AllToAllHandle, AllToAllStrategy
 from .event import EventOverlap, c_event
 from .group import Group, as_group
@@ -46,16 +46,13 @@ def _use_mode():
     return "alltoall" if mode == "alltoall" else "shm"
 
 
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
 def _int_arg(value, name):
     """An integer argument, checked to fit the C++ int64_t it becomes."""
     try:
         v = operator.index(value)
     except TypeError:
         raise InvalidUsageError(f"argument: {name}: expected an int, got {type(value).__name__}") from None
-    if not _INT64_MIN <= v <= _INT64_MAX:
+    if not -(1 << 63) <= v < 1 << 63:
         raise InvalidUsageError(f"argument: {name}: expected a 64-bit integer, got {v}")
     return v
 
@@ -85,6 +82,14 @@ def _check_str(value, name):
     return value
 
 
+def _check_area_size(prefix, rows, hidden, dtype):
+    """rows x hidden elements of dtype, both >= 0 and within 2^62 bytes (the C++ side multiplies them)."""
+    if rows < 0 or hidden < 0:
+        raise InvalidUsageError(f"{prefix}argument: expected num_tokens and hidden >= 0, got {rows} x {hidden}")
+    if rows * hidden * torch.tensor([], dtype=dtype).element_size() >= 1 << 62:
+        raise InvalidUsageError(f"{prefix}capacity: {rows} rows x {hidden} {dtype} exceed 2^62 bytes")
+
+
 class Buffer:
     """The normal-mode communication buffer. Creation is collective over `group` (a torch.distributed gloo
     ProcessGroup, an epcomm.Group, or None for the default group); so are dispatch and combine: every rank
@@ -111,8 +116,15 @@ class Buffer:
             raise InvalidUsageError(f"Buffer: argument: normal_strategy: expected 'default', 'alltoall' or None, "
                                     f"got {normal_strategy!r}")
         _check_str(low_latency_strategy, "low_latency_strategy")  # the Ascend port's; no effect here
-        self.num_nvl_bytes = int(num_nvl_bytes)
-        self.num_rdma_bytes = int(num_rdma_bytes)
+        pre = "Buffer: "
+        self.num_nvl_bytes = int_arg(num_nvl_bytes, "num_nvl_bytes", prefix=pre)
+        self.num_rdma_bytes = int_arg(num_rdma_bytes, "num_rdma_bytes", prefix=pre)
+        ranks_per_node = int_arg(ranks_per_node, "ranks_per_node", INT32, prefix=pre)
+        if timeout_s is not None:
+            timeout_s = number_arg(timeout_s, "timeout_s", prefix=pre)
+        sizes = [int_arg(v, n, prefix=pre) for v, n in ((num_combine_input_bytes, "num_combine_input_bytes"),
+                                                         (num_dispatch_input_bytes, "num_dispatch_input_bytes"),
+                                                         (num_output_reserve_bytes, "num_output_reserve_bytes"))]
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.mode = "alltoall" if normal_strategy == "alltoall" else _use_mode()
@@ -121,14 +133,12 @@ class Buffer:
             pg = group.process_group if isinstance(group, Group) else (group if group is not None else dist.group.WORLD)
             self.group = pg
             self._impl = AllToAllStrategy(pg, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                          bool(enable_shrink), receive_order, int(ranks_per_node), timeout_s)
+                                          bool(enable_shrink), receive_order, ranks_per_node, timeout_s)
         else:
             g = as_group(group)
             self.group = g.process_group
             self._impl = _C.Buffer(g._c, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                   bool(enable_shrink), receive_order, int(ranks_per_node), timeout_s,
-                                   int(num_combine_input_bytes), int(num_dispatch_input_bytes),
-                                   int(num_output_reserve_bytes))
+                                   bool(enable_shrink), receive_order, ranks_per_node, timeout_s, *sizes)
         _live_buffers.add(self)
 
     # ---- accessors ---------------------------------------------------------------------------------------
@@ -151,7 +161,7 @@ class Buffer:
         return self._impl.num_nodes
 
     def node_of(self, rank):
-        return self._impl.node_of(rank)
+        return self._impl.node_of(int_arg(rank, "rank", INT32, prefix="node_of: "))
 
     def get_num_rdma_ranks(self):
         """Nodes spanned by the Buffer (the seed's runtime.get_num_rdma_ranks())."""
@@ -179,24 +189,25 @@ class Buffer:
     @classmethod
     def set_num_threads(cls, n):
         """Sets the class default of Config.num_threads (copy threads per rank per call; 0 = automatic)."""
-        _C.Buffer.set_num_threads(int(n))
-        cls.num_threads = int(n)
+        n = int_arg(n, "n", (0, INT32[1]), prefix="Buffer.set_num_threads: ")
+        _C.Buffer.set_num_threads(n)
+        cls.num_threads = n
 
     @staticmethod
     def set_num_sms(new_num_sms):
         """DeepEP compatibility: accepted without effect (see set_num_threads)."""
-        Buffer.num_sms = int(new_num_sms)
+        Buffer.num_sms = int_arg(new_num_sms, "new_num_sms", INT32, prefix="Buffer.set_num_sms: ")
 
     @staticmethod
     def get_dispatch_config(num_ranks):
         """The default Config for any num_ranks >= 1, with num_threads = Buffer.num_threads."""
-        cfg = _C.Buffer.get_dispatch_config(int(num_ranks))
+        cfg = _C.Buffer.get_dispatch_config(int_arg(num_ranks, "num_ranks", INT32, "get_dispatch_config: "))
         cfg.num_threads = int(Buffer.num_threads)
         return cfg
 
     @staticmethod
     def get_combine_config(num_ranks):
-        cfg = _C.Buffer.get_combine_config(int(num_ranks))
+        cfg = _C.Buffer.get_combine_config(int_arg(num_ranks, "num_ranks", INT32, "get_combine_config: "))
         cfg.num_threads = int(Buffer.num_threads)
         return cfg
 
@@ -370,14 +381,19 @@ class Buffer:
         origin reads its tokens' rows in place. The memory belongs to the Buffer: every call returns the same
         area, valid until destroy(); do not overwrite it while a combine reading it is in flight. hidden=0:
         the dispatched hidden size. With DEEP_USE_MODE=alltoall this is an ordinary new tensor."""
-        impl = self._handle_impl(handle, f"epcomm[rank {self.rank}] get_combine_input: ")
-        name = PLAIN.get(dtype)
+        pre = f"epcomm[rank {self.rank}] get_combine_input: "
+        if handle is None:
+            raise InvalidUsageError(f"{pre}argument: handle: required, got None")
+        impl = self._handle_impl(handle, pre)
+        name = PLAIN.get(dtype) if isinstance(dtype, torch.dtype) else None
         if name not in ("bf16", "f16", "f32"):
-            raise InvalidUsageError(f"epcomm[rank {self.rank}] get_combine_input: argument: dtype: expected "
-                                    f"torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+            raise InvalidUsageError(f"{pre}argument: dtype: expected torch.bfloat16, torch.float16 or "
+                                    f"torch.float32, got {dtype}")
+        hidden = int_arg(hidden, "hidden", prefix=pre)
+        _check_area_size(pre, impl.num_rows, hidden or impl.hidden, dtype)
         if isinstance(self._impl, AllToAllStrategy):
-            return torch.empty(impl.num_rows, int(hidden) if hidden else impl.hidden, dtype=dtype)
-        t = self._impl.get_combine_input(impl, name, int(hidden))
+            return torch.empty(impl.num_rows, hidden or impl.hidden, dtype=dtype)
+        t = self._impl.get_combine_input(impl, name, hidden)
         t._epcomm_buffer = self  # the area lives in this Buffer: keep it alive with the tensor
         return t
 
@@ -388,13 +404,16 @@ class Buffer:
         plain (unquantized) dispatch: on one node the sender then stages only the routing and every receiver
         reads its rows in place. Same lifetime rules as get_combine_input. With DEEP_USE_MODE=alltoall this
         is an ordinary new tensor."""
-        name = PLAIN.get(dtype)
+        pre = f"epcomm[rank {self.rank}] get_dispatch_input: "
+        name = PLAIN.get(dtype) if isinstance(dtype, torch.dtype) else None
         if name not in ("bf16", "f16", "f32"):
-            raise InvalidUsageError(f"epcomm[rank {self.rank}] get_dispatch_input: argument: dtype: expected "
-                                    f"torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+            raise InvalidUsageError(f"{pre}argument: dtype: expected torch.bfloat16, torch.float16 or "
+                                    f"torch.float32, got {dtype}")
+        num_tokens, hidden = int_arg(num_tokens, "num_tokens", prefix=pre), int_arg(hidden, "hidden", prefix=pre)
+        _check_area_size(pre, num_tokens, hidden, dtype)
         if isinstance(self._impl, AllToAllStrategy):
-            return torch.empty(int(num_tokens), int(hidden), dtype=dtype)
-        t = self._impl.get_dispatch_input(int(num_tokens), int(hidden), name)
+            return torch.empty(num_tokens, hidden, dtype=dtype)
+        t = self._impl.get_dispatch_input(num_tokens, hidden, name)
         t._epcomm_buffer = self  # the area lives in this Buffer: keep it alive with the tensor
         return t
 

@@ -7,6 +7,14 @@ class EventOverlap:
     EventOverlap() with no event is a completed event (DeepEP's signature: event, extra_tensors)."""
 
     def __init__(self, event=None, extra_tensors=None):
+        from . import _C
+        from ._errors import InvalidUsageError
+
+        if isinstance(event, EventOverlap):
+            event = event.event
+        if event is not None and not isinstance(event, _C.Event):
+            raise InvalidUsageError(f"EventOverlap: argument: event: expected an event of epcomm or None, got "
+                                    f"{type(event).__name__}")
         self.event = event
         # Kept alive until the event is dropped, as in DeepEP (epcomm itself also holds what is in flight).
         self.extra_tensors = extra_tensors

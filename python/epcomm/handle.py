@@ -10,7 +10,7 @@ import operator
 
 import torch
 
-from ._errors import InvalidUsageError
+from ._errors import IndexError, InvalidUsageError, KeyError  # noqa: A004 - epcomm's, also the builtins
 
 # Positional layouts: (flavor, several nodes) -> item names, in the peer's order.
 LAYOUTS = {
@@ -107,7 +107,11 @@ class Handle(tuple):
                     f"handle item {name!r}: its peer computes it on the GPU of a node's forwarding rank; "
                     "epcomm's internode protocol keeps no such state, so it has no value (docs/python.md, "
                     "\"Positional handle items\")")
-            self._items[name] = getattr(self, "_item_" + name)()
+            compute = getattr(self, "_item_" + name, None) if isinstance(name, str) else None
+            if compute is None:
+                raise InvalidUsageError(f"handle item {name!r}: not an item of any handle layout (this one has "
+                                        f"{', '.join(self._layout)})")
+            self._items[name] = compute()
         return self._items[name]
 
     # ---- positional items (docs/python.md; one channel) -----------------------------------------------------

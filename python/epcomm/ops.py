@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._dtypes import PLAIN, _NAME_OF_REAL, as_format
-from ._errors import Error, InvalidUsageError
+from ._errors import INT32, Error, InvalidUsageError, int_arg, number_arg
 
 _registry = {}
 # ProcessGroup -> epcomm.Group. Keyed by the ProcessGroup object itself (kept alive here), so a group
@@ -56,6 +56,12 @@ def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0,
     node per host. num_rdma_bytes: across nodes, the per-rank lanes (0 = 64 MiB). See docs/internode.md."""
     from .group import Group
 
+    pre = "init_group_context: "
+    segment_bytes, num_rdma_bytes = int_arg(segment_bytes, "segment_bytes", prefix=pre), int_arg(
+        num_rdma_bytes, "num_rdma_bytes", prefix=pre)
+    ranks_per_node = int_arg(ranks_per_node, "ranks_per_node", INT32, prefix=pre)
+    if timeout_s is not None:
+        timeout_s = number_arg(timeout_s, "timeout_s", prefix=pre)
     g = _resolve("init_group_context", "group", group, None, True)
     if isinstance(g, dist.ProcessGroup):
         if g in _groups:

@@ -946,3 +946,66 @@ def test_fuzz_arguments():
                     print(f"rank {r} was in: {open(path).read()}\n  reproduce: see EPCOMM_FUZZ_TRIAL above",
                           file=sys.stderr)
             raise
+
+
+def local_calls(buf, a2a, handle, x):
+    """(label, call, word the message must hold) for the local entry points, each given a bad argument."""
+    big = 2 ** 64
+    return [
+        ("get_dispatch_input huge", lambda: buf.get_dispatch_input(2 ** 40, 2 ** 40), "capacity"),
+        ("get_dispatch_input str", lambda: buf.get_dispatch_input("a", 16), "num_tokens"),
+        ("get_dispatch_input 2^64", lambda: buf.get_dispatch_input(big, 16), "num_tokens"),
+        ("alltoall get_dispatch_input -1", lambda: a2a.get_dispatch_input(-1, 16), "num_tokens"),
+        ("get_combine_input hidden 2^62", lambda: buf.get_combine_input(handle, hidden=2 ** 62), "capacity"),
+        ("get_combine_input dtype", lambda: buf.get_combine_input(handle, dtype="x"), "dtype"),
+        ("alltoall get_combine_input None", lambda: a2a.get_combine_input(None), "handle"),
+        ("node_of str", lambda: buf.node_of("a"), "rank"),
+        ("node_of 2^64", lambda: a2a.node_of(big), "rank"),
+        ("quantize str", lambda: epcomm.quantize("x", "int8"), "x"),
+        ("quantize mode 3", lambda: epcomm.quantize(x, 3), "mode"),
+        ("quantize num_threads 2^64", lambda: epcomm.quantize(x, "int8", num_threads=big), "num_threads"),
+        ("dequantize out_dtype", lambda: epcomm.dequantize(*epcomm.quantize(x, "int8"), "int8", torch.int32),
+         "out_dtype"),
+        ("min_nvl_bytes str", lambda: epcomm.min_nvl_bytes("a", 2, 2), "row_bytes"),
+        ("min_rdma_bytes 2^62", lambda: epcomm.min_rdma_bytes(2 ** 62, 2, 2), "row_bytes"),
+        ("Config str", lambda: epcomm.Config("a"), "num_threads"),
+        ("Config 2^40", lambda: epcomm.Config(0, 2 ** 40), "num_max_nvl_chunked_send_tokens"),
+        ("size hint str", lambda: epcomm.Config().get_nvl_buffer_size_hint("a", 2), "hidden_bytes"),
+        ("size hint 2^40 ranks", lambda: epcomm.Config().get_rdma_buffer_size_hint(64, 2 ** 40), "num_ranks"),
+        ("EventOverlap str", lambda: epcomm.EventOverlap("e"), "event"),
+        ("handle index", lambda: handle[100], "index"),
+        ("handle key", lambda: handle["nope"], "nope"),
+        ("handle item", lambda: handle.item("nope"), "nope"),
+        ("set_num_threads str", lambda: epcomm.Buffer.set_num_threads("a"), "n"),
+        ("get_dispatch_config 2^40", lambda: epcomm.Buffer.get_dispatch_config(2 ** 40), "num_ranks"),
+        ("Buffer num_nvl_bytes str", lambda: epcomm.Buffer(num_nvl_bytes="a"), "num_nvl_bytes"),
+        ("Buffer timeout_s str", lambda: epcomm.Buffer(timeout_s="a"), "timeout_s"),
+        ("init_group_context segment_bytes str",
+         lambda: epcomm.ops.init_group_context(dist.group.WORLD, segment_bytes="a"), "segment_bytes"),
+    ]
+
+
+def test_local_arguments(world1):
+    """The local entry points (no peers to tell): a bad argument raises InvalidUsageError naming it, never
+    pybind's TypeError, a ValueError from int(), a torch RuntimeError or a crash (get_combine_input with
+    hidden = 2^62 used to abort the process in torch)."""
+    buf = epcomm.Buffer(world1, num_nvl_bytes=8 << 20, num_combine_input_bytes=1 << 20,
+                        num_dispatch_input_bytes=1 << 20)
+    a2a = epcomm.Buffer(world1, normal_strategy="alltoall")
+    ids = torch.tensor([[0, 1], [1, -1], [0, 0]])
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    per_expert = buf.get_dispatch_layout(ids, 2)[2]
+    handle = buf.dispatch(x, topk_idx=ids, topk_weights=torch.rand(3, 2), num_tokens_per_expert=per_expert)[4]
+    failures = []
+    for label, call, word in local_calls(buf, a2a, handle, x):
+        try:
+            call()
+            failures.append(f"{label}: no error")
+        except epcomm.InvalidUsageError as e:
+            if word not in str(e):
+                failures.append(f"{label}: {e!r} does not name {word!r}")
+        except Exception as e:
+            failures.append(f"{label}: {type(e).__name__} (not an epcomm.Error): {e}")
+    buf.destroy()
+    a2a.destroy()
+    assert not failures, "\n".join(failures)
