@@ -83,6 +83,12 @@ void check_stats(const std::optional<Tensor>& t, const char* name, int R) {
   check_contiguous(*t, name);
 }
 
+// Config::num_threads, else the class default (Buffer::set_num_threads, EPCOMM_NUM_THREADS), resolved.
+int threads_of(const std::optional<Config>& c, const Buffer::Impl& b) {
+  const int requested = c && c->num_threads > 0 ? c->num_threads : Buffer::num_threads();
+  return engine::copy_threads(requested, b.transport->size());
+}
+
 std::array<int32_t, 4> chunks_of(const std::optional<Config>& c) {
   Config cfg = c ? *c : Buffer::get_dispatch_config(1);
   cfg.validate();
@@ -253,6 +259,7 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   const int R = b.num_ranks;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
+  in.threads = threads_of(a.config, b);
   check_stats(a.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", R);
   if (a.dispatch_wait_recv_cost_stats) {
     in.cost_stats = a.dispatch_wait_recv_cost_stats;
@@ -427,6 +434,7 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   in.keep_handle = a.handle;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
+  in.threads = threads_of(a.config, b);
   check_stats(a.combine_send_cost_stats, "combine_send_cost_stats", R);
   if (a.combine_send_cost_stats) {
     in.cost_stats = a.combine_send_cost_stats;

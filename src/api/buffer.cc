@@ -18,7 +18,7 @@
 namespace epcomm {
 
 namespace {
-std::atomic<int> g_num_threads{0};
+std::atomic<int> g_num_threads{env::num_threads_default()};
 constexpr int64_t kDefaultSegmentBytes = 64ll << 20;
 
 int64_t payload_bytes(const Payload& p) {
@@ -556,6 +556,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   if (!verr) {
     in->allocator = b.allocator.get();
     in->poison = env::poison_outputs();
+    in->workers = &b.workers;
     in->counters = &b.counters;
     if (!cached) {
       out->handle = std::make_shared<Handle::Impl>();
@@ -641,6 +642,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   if (!verr) {
     const Handle::Impl& hd = *in->handle;
     in->poison = env::poison_outputs();
+    in->workers = &b.workers;
     in->counters = &b.counters;
     out->combined_x = b.allocator->allocate(in->dtype, {hd.num_tokens, in->hidden});
     if (hd.order == ReceiveOrder::expert_major || in->has_recv_weights)

@@ -12,6 +12,7 @@
 #include "engine/dispatch.h"
 #include "engine/internode.h"
 #include "engine/protocol.h"
+#include "engine/workers.h"
 #include "epcomm/buffer.h"
 #include "transport/network.h"
 #include "transport/transport.h"
@@ -36,6 +37,7 @@ struct Buffer::Impl {
   int64_t dispatch_input_bytes = 0;  // the shared dispatch-input area (after the combine-input area)
   size_t dispatch_input_offset = 0;
   engine::CopyCounters counters;
+  engine::WorkerPool workers;  // copy threads (Config::num_threads), started when a call first needs them
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
   uint64_t seq = 0;                                       // last sequence number issued
   bool destroyed = false;

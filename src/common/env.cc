@@ -92,6 +92,25 @@ std::string shm_mode() {
   return *v;
 }
 
+// A non-negative integer variable, `fallback` when unset.
+static int64_t count_of(const char* name, int64_t fallback) {
+  auto v = get(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  const long long n = std::strtoll(v->c_str(), &end, 10);
+  EPCOMM_CHECK(end && end != v->c_str() && *end == '\0' && n >= 0, name, ": expected an integer >= 0, got '",
+               *v, "'");
+  return n;
+}
+
+int num_threads_default() {
+  return static_cast<int>(std::min<int64_t>(count_of("EPCOMM_NUM_THREADS", 0), 1 << 20));
+}
+
+int64_t parallel_bytes_per_thread() {
+  return std::max<int64_t>(count_of("EPCOMM_PARALLEL_BYTES", int64_t{1} << 20), 1);
+}
+
 int64_t output_arena_bytes() {
   auto v = get("EPCOMM_OUTPUT_ARENA");
   if (!v || *v == "auto") return -1;

@@ -436,6 +436,38 @@ struct DirectReduce {
   }
 };
 
+// Reduces this rank's tokens with `own` over the call's copy threads: chunks claimed from the front of
+// `shared` (peers done with their own tokens claim from its back), or contiguous parts when nothing is
+// shared (null). Returns the tokens reduced here; `bytes` (the rows read) sizes the thread count.
+int64_t reduce_own_tokens(const DirectReduce& own, const CombineInput& in, std::atomic<uint64_t>* shared,
+                          int64_t T, int64_t bytes) {
+  std::atomic<int64_t> reduced{0};
+  auto part = [&](int i, int n) {
+    int64_t count = 0;
+    if (shared) {
+      uint32_t c;
+      while (claim_chunk(*shared, true, c)) {
+        const int64_t t0 = int64_t{c} * kShareChunkTokens, t1 = std::min(T, t0 + kShareChunkTokens);
+        own.run(t0, t1);
+        count += t1 - t0;
+      }
+    } else {
+      int64_t t0, t1;
+      part_range(T, i, n, t0, t1);
+      own.run(t0, t1);
+      count = t1 - t0;
+    }
+    reduced.fetch_add(count, std::memory_order_relaxed);
+    if (n > 1) store_fence();  // this thread's streaming stores, before they are published
+  };
+  const int threads = threads_for_bytes(in.threads, bytes);
+  if (in.workers && threads > 1)
+    in.workers->run(threads, part);
+  else
+    part(0, 1);
+  return reduced.load();
+}
+
 // Direct combine (every header says kReadRowsInPlace): each origin reads every copy of its tokens straight
 // from its holder's x, at the rows the dispatch wrote them to (handle send_rows), and reduces them in the
 // same canonical order as the windows would. No windows: the headers are the only synchronisation before,
@@ -510,18 +542,9 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
 
   const DirectReduce own{table,     slots,    K,        in.dtype, in.hidden, row_bytes,           xs.data(),
                          gs.data(), in.bias1, in.bias2, expert,   cx,        sum_g ? cw : nullptr};
-  int64_t reduced = 0;  // our tokens we reduced ourselves
-  if (offer) {
-    uint32_t c;
-    while (claim_chunk(mine->share_chunks, true, c)) {
-      const int64_t t0 = int64_t{c} * kShareChunkTokens, t1 = std::min(T, t0 + kShareChunkTokens);
-      own.run(t0, t1);
-      reduced += t1 - t0;
-    }
-  } else {
-    own.run(0, T);
-    reduced = T;
-  }
+  // Our tokens we reduced ourselves, over the call's copy threads.
+  const int64_t reduced = reduce_own_tokens(own, in, offer ? &mine->share_chunks : nullptr, T,
+                                            T * slots * static_cast<int64_t>(row_bytes));
   if (expert && cw) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
 
   // Helping: one chunk of the origin with the most chunks left (the slowest, on a host with many ranks). Its

@@ -9,6 +9,7 @@
 
 #include "engine/handle_impl.h"
 #include "engine/op_context.h"
+#include "engine/workers.h"
 
 namespace epcomm::engine {
 
@@ -35,6 +36,8 @@ struct CombineInput {
   const uint8_t* bias2 = nullptr;
   int32_t chunks[4] = {0, 0, 0, 0};
   bool poison = false;
+  WorkerPool* workers = nullptr;  // the rank's copy threads (null: this thread only)
+  int threads = 1;                // copy threads this call may use (engine/workers.h)
   std::optional<Tensor> cost_stats;
   std::vector<Tensor> keep;  // user tensors held until the call completes
 };

@@ -150,6 +150,61 @@ class QuarantineOnFailure {
   int exceptions_;
 };
 
+// Where push_rows writes each of our tokens' rows: up to `slots` (data, scales) destinations per token.
+struct PushPlan {
+  PushPlan(int slots_per_token, int64_t tokens)
+      : slots(slots_per_token),
+        rows(static_cast<size_t>(tokens) * slots_per_token),
+        scales(rows.size()),
+        count(static_cast<size_t>(tokens), 0) {}
+  void add(int64_t t, uint8_t* row, uint8_t* scale) {
+    const size_t i = static_cast<size_t>(t) * slots + count[static_cast<size_t>(t)]++;
+    rows[i] = row;
+    scales[i] = scale;
+  }
+  int slots;
+  std::vector<uint8_t*> rows, scales;  // [T * slots]
+  std::vector<int32_t> count;          // [T]: destinations of each token
+};
+
+// Writes every planned row: each token read once (quantized once), its rows and scales stored at their
+// destinations, tokens split over the call's copy threads. The caller fences before publishing.
+void write_pushed_rows(const DispatchInput& in, const RowFormat& f, const PushPlan& plan,
+                       bool cache_resident) {
+  const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
+  const int64_t T = in.num_tokens;
+  int64_t rows = 0;
+  for (int32_t c : plan.count) rows += c;
+  auto part = [&](int i, int n) {
+    int64_t t0, t1;
+    part_range(T, i, n, t0, t1);
+    // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
+    std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
+    const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* x = in.x + t * in.x_row_bytes;
+      if (f.quantize) {  // once per token, whatever the number of its rows
+        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, token.data(), token.data() + bytes);
+        x = token.data();
+      } else if (in.scales) {
+        gather_scales(token.data(), in.scales, t, in.scale_stride0, in.scale_stride1, f.scale_cols,
+                      dtype_size(f.scale_dtype));
+      }
+      const size_t at = static_cast<size_t>(t) * plan.slots;
+      const int m = plan.count[static_cast<size_t>(t)];
+      if (scale_bytes)
+        for (int j = 0; j < m; ++j) std::memcpy(plan.scales[at + j], scales, scale_bytes);
+      copy_row_to(plan.rows.data() + at, m, x, bytes, false, cache_resident);
+    }
+    if (n > 1) store_fence();  // this thread's streaming stores, before the caller publishes them
+  };
+  const int threads = threads_for_bytes(in.threads, rows * static_cast<int64_t>(bytes + scale_bytes));
+  if (in.workers && threads > 1)
+    in.workers->run(threads, part);
+  else
+    part(0, 1);
+}
+
 }  // namespace
 
 void add_cost_stats(const Tensor& stats, const std::vector<int64_t>& micros) {
@@ -568,54 +623,37 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
       else
         next[d] = push_start[d][me];
     }
-    const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
     // A fresh dispatch records in its handle where every copy went; a cached one reads it there.
     int32_t* send_rows = in.cached ? nullptr : nh->send_rows.data();
     const int32_t* sent_to = in.cached ? hd->send_rows.data() : nullptr;
-    const int copy_slots = (in.cached ? *hd : *nh).copy_slots();  // entries per token of send_rows
-    // One token's codes then scales (quantizing here), or its scales alone (a (data, scales) input).
-    std::vector<uint8_t> token(f.quantize ? bytes + scale_bytes : scale_bytes);
-    const uint8_t* scales = f.quantize ? token.data() + bytes : token.data();
-    // A token's rows on every receiver served now, written in one pass over it (copy_row_to).
-    std::vector<uint8_t*> rows_to(static_cast<size_t>(copy_slots));
-    // Few rows in all: plain stores, so that the receivers find them in the shared cache.
-    const bool rows_cache_resident =
-        static_cast<size_t>(host_rows) * (bytes + scale_bytes) <= cache_resident_push_bytes();
+    PushPlan plan((in.cached ? *hd : *nh).copy_slots(), in.num_tokens);  // entries per token of send_rows
+    const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
     for (int64_t t = 0; t < in.num_tokens; ++t) {
-      const uint8_t* x = in.x + t * in.x_row_bytes;
-      if (f.quantize) {  // once per token, whatever the number of its rows
-        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, token.data(), token.data() + bytes);
-        x = token.data();
-      } else if (in.scales) {
-        gather_scales(token.data(), in.scales, t, in.scale_stride0, in.scale_stride1, f.scale_cols,
-                      dtype_size(f.scale_dtype));
-      }
-      int n_to = 0;
       auto put = [&](int d, int64_t row) {
-        rows_to[n_to++] = dest[d] + row * bytes;
-        if (scale_bytes) std::memcpy(dest_scales[d] + row * scale_bytes, scales, scale_bytes);
+        plan.add(t, dest[d] + row * bytes, scale_bytes ? dest_scales[d] + row * scale_bytes : nullptr);
       };
       if (in.cached) {  // the same rows as the fresh dispatch
         hd->for_each_copy(t, [&](int slot, int holder) {
-          if (now[holder]) put(holder, sent_to[t * copy_slots + slot]);
+          if (now[holder]) put(holder, sent_to[t * plan.slots + slot]);
         });
-      } else {
-        for (int d = 0; d < R; ++d) {
-          if (!now[d]) continue;
-          auto write = [&](int64_t row, int k) {
-            put(d, row);
-            send_rows[t * copy_slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
-          };
-          if (K == 0) {
-            if (my_in_rank[t * R + d]) write(next[d]++, -1);
-          } else {
-            for_each_row(map, by_expert, &my_ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d],
-                         write);
-          }
+        continue;
+      }
+      for (int d = 0; d < R; ++d) {
+        if (!now[d]) continue;
+        auto write = [&](int64_t row, int k) {
+          put(d, row);
+          send_rows[t * plan.slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
+        };
+        if (K == 0) {
+          if (my_in_rank[t * R + d]) write(next[d]++, -1);
+        } else {
+          for_each_row(map, by_expert, &my_ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d], write);
         }
       }
-      copy_row_to(rows_to.data(), n_to, x, bytes, false, rows_cache_resident);
     }
+    // Few rows in all: plain stores, so that the receivers find them in the shared cache.
+    write_pushed_rows(in, f, plan,
+                      static_cast<size_t>(host_rows) * (bytes + scale_bytes) <= cache_resident_push_bytes());
     store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
     for (int d = 0; d < R; ++d)
       if (now[d]) {

@@ -9,6 +9,7 @@
 
 #include "engine/handle_impl.h"
 #include "engine/op_context.h"
+#include "engine/workers.h"
 #include "epcomm/buffer.h"
 
 namespace epcomm::engine {
@@ -53,6 +54,8 @@ struct DispatchInput {
   int32_t chunks[4] = {0, 0, 0, 0};
   Allocator* allocator = nullptr;
   bool poison = false;
+  WorkerPool* workers = nullptr;     // the rank's copy threads (null: this thread only)
+  int threads = 1;                   // copy threads this call may use (engine/workers.h)
   std::optional<Tensor> cost_stats;  // [R] i64 or i32, accumulated
   std::vector<Tensor> keep;          // user tensors held until the call completes
 };

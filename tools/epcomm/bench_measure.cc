@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "engine/workers.h"
+
 #include "rank_tools.h"
 #include "report.h"
 
@@ -77,9 +79,7 @@ double concurrent_memcpy_gbps(Bootstrap& bs, int64_t bytes, int threads) {
 }
 
 int resolve_threads(int requested, int local_ranks) {
-  if (requested > 0) return requested;
-  const int hw = static_cast<int>(std::thread::hardware_concurrency());
-  return std::max(1, hw / std::max(1, local_ranks));
+  return engine::copy_threads(requested, local_ranks);  // what the engine uses for the same Config
 }
 
 namespace {

@@ -14,8 +14,8 @@ namespace epcomm::cli {
 // time, median over a block's repetitions, the better block, in GB/s (1e9 bytes/s); 0 when no rank copies.
 double concurrent_memcpy_gbps(Bootstrap& bootstrap, int64_t bytes, int threads);
 
-// The copy threads per rank for Config::num_threads = `requested`: itself when > 0, else what the library's
-// default (0) stands for: hardware threads / local ranks, at least 1.
+// The copy threads per rank the engine uses for Config::num_threads = `requested` (engine::copy_threads):
+// itself, at most the hardware threads, when > 0; else hardware threads / local ranks, at least 1.
 int resolve_threads(int requested, int local_ranks);
 
 // Starts a new peak-resident-set window for this process (Linux: VmHWM reset through /proc/self/clear_refs);
