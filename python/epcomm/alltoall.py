@@ -239,6 +239,7 @@ def _layout(V, E, R):
 
 
 _MAX_ROWS = 1 << 31  # a rank receives at most 2^31 - 1 rows (the engine's limit)
+_MAX_EXPERTS = 16384  # the engine's header capacity (engine::kMaxExperts)
 
 
 def _check_memory(prefix, d, rows, row_bytes):
@@ -500,6 +501,8 @@ class AllToAllStrategy:
         if E < 1 or E % R:
             _arg(f"num_experts = {E} (from num_tokens_per_expert) must be a positive multiple of the number of "
                  f"ranks {R}")
+        if E > _MAX_EXPERTS:  # the engine's limit (docs/design.md, "Known limits"): the same calls fail here
+            _arg(f"num_experts = {E} exceeds the supported maximum {_MAX_EXPERTS}")
         K = 0
         if ti is not None:
             if ti.dim() != 2 or int(ti.shape[0]) != T:

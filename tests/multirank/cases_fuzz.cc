@@ -517,13 +517,21 @@ void count_changes(std::vector<Mut>& m, const Trial& t) {
                        return true;
                      },
                      {"expert_alignment"}));
-  m.push_back(change(
-      "expert_alignment + 1",
-      [](int, DispatchArgs& a, CombineArgs&, Store&) {
-        a.expert_alignment += 1;
-        return true;
-      },
-      {"expert_alignment"}, End::error, End::ok));
+  Mut a1 = change("expert_alignment + 1",
+                  [](int, DispatchArgs& a, CombineArgs&, Store&) {
+                    a.expert_alignment += 1;
+                    return true;
+                  },
+                  {"expert_alignment", "num_worst_tokens"});
+  a1.decide = [tp,
+               R](const std::vector<int>& ch) {  // every rank: more PAD rows may overflow num_worst_tokens
+    if (static_cast<int>(ch.size()) < R) return End::error;
+    for (int d = 0; d < R && tp->worst > 0; ++d)
+      if (ref_dispatch_placement(tp->P, d, tp->order, tp->align + 1).num_recv_rows > tp->worst)
+        return End::capacity;
+    return End::ok;
+  };
+  m.push_back(std::move(a1));
   add_int_changes(m, "num_worst_tokens", &DispatchArgs::num_worst_tokens);
   const int64_t most = *std::max_element(t.rows.begin(), t.rows.end());
   if (most >= 2) {

@@ -245,7 +245,7 @@ def dispatch_mutations(call, rng, ctx):
     m += [Mut("num_experts + R (from num_tokens_per_expert)", "num_tokens_per_expert",
               lambda kw, r: torch.cat([kw["num_tokens_per_expert"], torch.zeros(R, dtype=torch.int32)]),
               one="error", all="either", names=("num_experts", "num_tokens_per_expert", "num_tokens_per_rank",
-                                               "is_token_in_rank"))]
+                                               "is_token_in_rank", "num_worst_tokens"))]
     m += [Mut("num_experts + 1 (not a multiple of R)", "num_tokens_per_expert",
               lambda kw, r: torch.cat([kw["num_tokens_per_expert"], torch.zeros(1, dtype=torch.int32)]),
               names=("num_experts", "num_tokens_per_expert"))]
@@ -289,7 +289,10 @@ def dispatch_mutations(call, rng, ctx):
     # ints
     a2 = c["align"] + 1
     m += [Mut("expert_alignment 0", "expert_alignment", 0), Mut("expert_alignment -1", "expert_alignment", -1)]
-    m += [Mut(f"expert_alignment {a2}", "expert_alignment", a2, one="error", all="ok")]
+    # every rank: more PAD rows may overflow num_worst_tokens
+    over_a2 = call.worst > 0 and max(len(call.reference().rows(d, c["order"], a2)[0]) for d in range(R)) > call.worst
+    m += [Mut(f"expert_alignment {a2}", "expert_alignment", a2, names=("expert_alignment", "num_worst_tokens"),
+              decide=lambda ts: "error" if len(ts) < R else "capacity" if over_a2 else "ok")]
     if c["order"] == "rank_major":
         m += [Mut("expert_alignment 2^20 (rank_major: the list only)", "expert_alignment", 2 ** 20, one="error",
                   all="ok")]
@@ -476,7 +479,8 @@ def v2_common_mutations(call, rng, kind):
     bs = max(c["T"])
     m += [Mut("global_bs larger", "global_bs", W * (bs + 3), one="error", all="ok", names=("global_bs",))]
     if bs > 1:
-        m += [Mut("global_bs too small", "global_bs", W * (bs - 1), names=("global_bs", "assist_info_for_combine"))]
+        m += [Mut("global_bs too small", "global_bs", W * (bs - 1),
+                  names=("global_bs", "assist_info_for_combine", "ep_send_counts"))]
     m += [Mut("x_active_mask int", "x_active_mask", lambda kw, r: torch.ones(kw["expert_ids"].shape[0], dtype=torch.int32),
               names=("x_active_mask",))]
     m += [Mut("x_active_mask shape", "x_active_mask", lambda kw, r: torch.ones(kw["expert_ids"].shape[0] + 1, dtype=torch.bool),
