@@ -172,6 +172,9 @@ def _run(case, fault, world, seed):
         if r in destroyed:
             assert destroyed[r] <= DESTROY_WITHIN_S, f"{where}: rank {r}: destroy() took {destroyed[r]:.2f} s"
     assert _shm_entries() <= before, f"{where}: left in /dev/shm: {sorted(_shm_entries() - before)}"
+    worst = max(reports[r][2] - t_fault for r in survivors)
+    print(f"{where}: {len(survivors)} survivors raised within {worst:.2f} s; destroy() at most "
+          f"{max(destroyed.values(), default=0):.2f} s")  # the figures of docs/reliability.md (pytest -s)
 
 
 CASES = [("normal", "kill", 4), ("ops", "kill", 4), ("two_nodes", "kill", 4), ("normal", "stop", 4),
