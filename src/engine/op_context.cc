@@ -45,11 +45,21 @@ uint64_t OpContext::write_lane(int peer, const Network::Piece* pieces, int n, si
 
 void OpContext::drain_writes() const noexcept {
   if (!inter_ || inter_->last_ticket == 0) return;
-  const auto deadline = Clock::now() + timeout_;
+  // Writes to live peers still read their source buffers after another peer's connection failed (a failed
+  // write completes too, once UCX reports it): wait for all of them, at most kDrainAfterFailure once a
+  // failure is known, so that a caller never frees memory the network still sends from.
+  auto deadline = Clock::now() + timeout_;
+  bool failure_seen = false;
   try {
-    while (!inter_->net->complete(inter_->last_ticket) && inter_->net->failure().empty() &&
-           Clock::now() < deadline)
+    while (!inter_->net->complete(inter_->last_ticket)) {
+      const auto now = Clock::now();
+      if (!failure_seen && !inter_->net->failure().empty()) {
+        failure_seen = true;
+        deadline = std::min(deadline, now + kDrainAfterFailure);
+      }
+      if (now >= deadline) break;
       std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
   } catch (...) {
   }
 }

@@ -184,6 +184,7 @@ class OpContext {
   }
   static constexpr std::chrono::milliseconds kProcessWatch{100};
   static constexpr std::chrono::milliseconds kTimeoutGrace{800};
+  static constexpr std::chrono::milliseconds kDrainAfterFailure{1000};
   bool saw_peer_failure() const { return saw_peer_failure_; }
   [[noreturn]] void raise_timeout(const char* phase, const std::vector<int>& peers) const;
   // Tells peers this rank will not continue (they raise Aborted quoting `message`).
