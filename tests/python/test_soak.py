@@ -31,7 +31,7 @@ WORLD = 4
 CALLS = int(os.environ.get("EPCOMM_SOAK_CALLS", "400"))
 SEED = int(os.environ.get("EPCOMM_SOAK_SEED", "7"))
 SAMPLE_EVERY = 5  # steps
-RSS_SLACK_MB = 24
+RSS_SLACK_MB = 16
 
 
 def rss_bytes():
