@@ -390,7 +390,8 @@ class Buffer:
             raise InvalidUsageError(f"{pre}argument: dtype: expected torch.bfloat16, torch.float16 or "
                                     f"torch.float32, got {dtype}")
         hidden = int_arg(hidden, "hidden", prefix=pre)
-        _check_area_size(pre, impl.num_rows, hidden or impl.hidden, dtype)
+        if hidden:  # 0: the dispatched hidden size, known to fit
+            _check_area_size(pre, impl.num_rows, hidden, dtype)
         if isinstance(self._impl, AllToAllStrategy):
             return torch.empty(impl.num_rows, hidden or impl.hidden, dtype=dtype)
         t = self._impl.get_combine_input(impl, name, hidden)
