@@ -8,7 +8,7 @@
 //     dispatch, combines, cached dispatch, all against the reference) shows that the next call pairs;
 //   - a result equal to the independent reference (support/reference.h) of the arguments as passed.
 // The ending each change must give is stated with it, from spec/normal-mode.md. EPCOMM_FUZZ_TRIALS (default
-// 150) and EPCOMM_FUZZ_SEED (default 1); a failure names the seed, the trial and the change.
+// 1000) and EPCOMM_FUZZ_SEED (default 1); a failure names the seed, the trial and the change.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -911,7 +911,7 @@ int64_t env_int(const char* name, int64_t def) {
 
 MR_CASE("fuzz_arguments", {.min_ranks = 2}) {
   const uint64_t seed = static_cast<uint64_t>(env_int("EPCOMM_FUZZ_SEED", 1));
-  const int64_t trials = env_int("EPCOMM_FUZZ_TRIALS", 150), only = env_int("EPCOMM_FUZZ_TRIAL", -1);
+  const int64_t trials = env_int("EPCOMM_FUZZ_TRIALS", 1000), only = env_int("EPCOMM_FUZZ_TRIAL", -1);
   Fuzz f(ctx);
   const int64_t first = only >= 0 ? only : 0, last = only >= 0 ? only + 1 : trials;
   for (int64_t i = first; i < last; ++i) f.run(make_trial(seed, static_cast<int>(i), ctx.size));
