@@ -116,7 +116,7 @@ def _bad_tuple(d, dn, s, sn):
 
 
 def _infer_tuple(d, dn, s, sn):
-    """Mode and format of a pre-quantized tuple (spec §4.6 table); returns (_Format, scales as [T, G])."""
+    """Mode and format of a pre-quantized tuple (docs/normal-mode.md table); returns (_Format, scales as [T, G])."""
     dname, sname = _dtype_name(d, dn), _dtype_name(s, sn)
     if d.dim() != 2:
         _bad_tuple(d, dn, s, sn)
@@ -156,7 +156,7 @@ def _env_int8():
 
 
 def _payload(x):
-    """Selects the payload format (tuple > quant_mode > environment > plain, spec §4.6) and returns
+    """Selects the payload format (tuple > quant_mode > environment > plain, docs/normal-mode.md) and returns
     (_Format, [T, row_bytes] uint8 payload of every token)."""
     d, dn, s, sn, quant_mode = x["data"], x["data_dtype"], x["scales"], x["scales_dtype"], x["quant_mode"]
     if d.dim() != 2:
@@ -208,7 +208,7 @@ def _split_payload(f, rows_bytes):
 
 
 class AllToAllHandle:
-    """The alltoall strategy's handle contents: the accessors of spec §4.8 plus the routes."""
+    """The alltoall strategy's handle contents: the accessors of docs/normal-mode.md plus the routes."""
 
     def __init__(self, **fields):
         self.__dict__.update(fields)
@@ -787,7 +787,7 @@ class AllToAllStrategy:
         back = self._a2a(back_rows, h.recv_splits, h.send_splits)
         xb = _view(back[:, : Hc * x.element_size()], x.dtype).reshape(-1, Hc).to(torch.float32)
 
-        # Origin: canonical fp32 reduction (spec §5.1), one tensor op per addition.
+        # Origin: canonical fp32 reduction (docs/normal-mode.md), one tensor op per addition.
         acc = torch.zeros(T, Hc, dtype=torch.float32)
         combined_w = None
         if h.receive_order == "expert_major":

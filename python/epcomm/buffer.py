@@ -1,6 +1,6 @@
 """epcomm.Buffer: the normal-mode API of DeepEP's Ascend port (buffer.py) on torch CPU tensors.
 
-Semantics: the project's spec normal-mode.md (docs/normal-mode.md, docs/python.md). Two strategies sit
+Semantics: the project's docs/normal-mode.md (docs/normal-mode.md, docs/python.md). Two strategies sit
 behind the same methods: the shared-memory engine (default) and, with DEEP_USE_MODE=alltoall, collectives on
 the torch.distributed group (epcomm.alltoall); both give identical results."""
 import atexit
@@ -24,7 +24,7 @@ from .handle import Handle
 
 Config = _C.Config
 
-# DeepEP constructor arguments that are accepted without effect (spec §2.1).
+# DeepEP constructor arguments that are accepted without effect (docs/normal-mode.md).
 _DEEPEP_IGNORED = ("num_qps_per_rank", "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric",
                    "explicitly_destroy", "comm")
 

@@ -1,4 +1,4 @@
-"""epcomm.ops: torch_npu-style distribute operators (spec distribute-v2.md §2.2) on torch CPU tensors.
+"""epcomm.ops: torch_npu-style distribute operators (docs/distribute-v2.md) on torch CPU tensors.
 
     epcomm.ops.register_group("ep0", ep_process_group)      # optional: lets group_ep="ep0" work
     expand_x, dynamic_scales, assist_info, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = \
@@ -212,7 +212,7 @@ def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_ra
                                    x_dtype=None, scales_dtype=None, ep_group=None, tp_group=None,
                                    strict_hardware_limits=None, hccl_buffsize_mb=200, timeout=None):
     """Returns (expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts,
-    tp_recv_counts, expand_scales), shaped as in spec §2.4 (zero past the valid part). fp8 outputs come as
+    tp_recv_counts, expand_scales), shaped as in docs/distribute-v2.md (zero past the valid part). fp8 outputs come as
     the real torch dtype where torch has it, else as uint8; mode-4 dynamic_scales are E8M0 bytes."""
     op = "npu_moe_distribute_dispatch_v2"
     ep, tp, tp_error = _groups_of(op, group_ep, group_tp, ep_group, tp_group, tp_world_size)

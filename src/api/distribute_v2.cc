@@ -1,11 +1,12 @@
 // api/distribute_v2.cc — dispatch_v2, combine_v2 and combine_add_rms_norm: validate on the caller's thread,
-// then run the engine's stages on the EP group's context (and the TP pair's), in the order of spec §4.3/§6:
-// dispatch = EP exchange then TP all-gather; combine = TP reduce then EP exchange. Calls are blocking.
+// then run the engine's stages on the EP group's context (and the TP pair's), in the order of
+// docs/distribute-v2.md: dispatch = EP exchange then TP all-gather; combine = TP reduce then EP exchange.
+// Calls are blocking.
 //
-// Failure rules (§8.1): a rank whose local checks fail publishes a failed header for the call on every group
-// the call uses, so the peers raise Aborted naming it, and every group stays usable. A stage that fails after
-// its data started moving, or times out, or sees a peer's failure, fails its group for good; the other group
-// of the call gets a failed header instead of silence.
+// Failure rules (docs/distribute-v2.md): a rank whose local checks fail publishes a failed header for the
+// call on every group the call uses, so the peers raise Aborted naming it, and every group stays usable. A
+// stage that fails after its data started moving, or times out, or sees a peer's failure, fails its group for
+// good; the other group of the call gets a failed header instead of silence.
 #include <memory>
 #include <mutex>
 

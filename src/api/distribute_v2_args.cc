@@ -1,5 +1,5 @@
-// api/distribute_v2_args.cc — the checks of spec/distribute-v2.md §8.2 that every call makes locally, and the
-// engine inputs and outputs (§2.4) they lead to.
+// api/distribute_v2_args.cc — the checks of docs/distribute-v2.md that every call makes locally, and the
+// engine inputs and outputs (docs/distribute-v2.md) they lead to.
 #include "api/distribute_v2_args.h"
 
 #include <unistd.h>
@@ -69,8 +69,8 @@ void check_output_bytes(const DispatchV2Args& a, int64_t A, double rows_bytes, i
                " bytes); nothing was allocated");
 }
 
-// A caller output buffer (§2.4): exact dtype, first dim >= required, other dims exact, contiguous. Without
-// one, a zero-filled tensor from `alloc` (default_allocator() when null).
+// A caller output buffer (docs/distribute-v2.md): exact dtype, first dim >= required, other dims exact,
+// contiguous. Without one, a zero-filled tensor from `alloc` (default_allocator() when null).
 Tensor output(const std::optional<Tensor>& given, const char* name, DType dtype, const Shape& shape,
               Allocator* alloc, std::initializer_list<DType> also_ok = {}) {
   if (!given) {
@@ -93,7 +93,7 @@ Tensor output(const std::optional<Tensor>& given, const char* name, DType dtype,
   return g;
 }
 
-// §8.2 group and layout rules; T = 2 also needs L = 1.
+// docs/distribute-v2.md group and layout rules; T = 2 also needs L = 1.
 Layout check_layout(Group& ep, Group* tp, const LayoutArgs& c, int64_t bs, int K) {
   EPCOMM_CHECK(c.W >= 1 && c.W == ep.size(), "argument: ep_world_size: expected the ep_group size ",
                ep.size(), ", got ", c.W);
@@ -162,7 +162,7 @@ Layout check_layout(Group& ep, Group* tp, const LayoutArgs& c, int64_t bs, int K
   return lay;
 }
 
-// expert_ids and x_active_mask (§4.1, §8.2).
+// expert_ids and x_active_mask (docs/distribute-v2.md).
 Routing read_routing(const Tensor& ids, const std::optional<Tensor>& mask, int64_t E) {
   EPCOMM_CHECK(ids.defined() && ids.dim() == 2,
                "argument: expert_ids: expected a 2-D (Bs, K) int32 tensor, got ",
@@ -267,7 +267,8 @@ engine::v2::Params params_of(const Layout& lay, const LayoutArgs& c, int64_t H, 
   return p;
 }
 
-// expand_x's dtype (§5): x's in mode 0, else y_dtype where the mode allows it, else the mode's default.
+// expand_x's dtype (docs/distribute-v2.md): x's in mode 0, else y_dtype where the mode allows it, else the
+// mode's default.
 DType dispatch_out_dtype(const DispatchV2Args& a) {
   const int64_t mode = a.quant_mode;
   EPCOMM_CHECK(mode >= 0 && mode <= 4, "argument: quant_mode: expected 0 to 4, got ", mode);
@@ -293,7 +294,8 @@ DType dispatch_out_dtype(const DispatchV2Args& a) {
   }
 }
 
-// The smoothing `scales` of quant modes 1-3 (§5): a scalar, an (H,) vector or an (S+E, H) table.
+// The smoothing `scales` of quant modes 1-3 (docs/distribute-v2.md): a scalar, an (H,) vector or an (S+E, H)
+// table.
 void read_smoothing(const DispatchV2Args& a, int64_t H, int64_t table_rows, DispatchPlan& p) {
   const int64_t mode = a.quant_mode;
   auto& in = p.in;
@@ -333,8 +335,8 @@ void read_smoothing(const DispatchV2Args& a, int64_t H, int64_t table_rows, Disp
   }
 }
 
-// The outputs of §2.4: the caller's buffers, checked, or zero-filled tensors from o.allocator once their
-// total size is known to fit this host.
+// The outputs of docs/distribute-v2.md: the caller's buffers, checked, or zero-filled tensors from
+// o.allocator once their total size is known to fit this host.
 void allocate_dispatch_outputs(const DispatchV2Args& a, const OpOptions& o, const Layout& lay, DType out_dt,
                                int64_t H, DispatchPlan& p) {
   const int64_t mode = a.quant_mode;
@@ -368,7 +370,7 @@ void allocate_dispatch_outputs(const DispatchV2Args& a, const OpOptions& o, cons
       output(a.expand_scales_out, "expand_scales_out", DType::f32, {a.expert_scales ? rows : 0}, alloc);
 }
 
-// Reserved inputs of combine (§8.2, Appendix A) and comm_quant_mode.
+// Reserved inputs of combine (docs/distribute-v2.md, Appendix A) and comm_quant_mode.
 void check_combine_reserved(const CombineV2Args& a, int64_t H) {
   check_absent(a.activation_scale, "activation_scale");
   check_absent(a.weight_scale, "weight_scale");
@@ -454,7 +456,7 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
   EPCOMM_CHECK(a.expert_token_nums_type == 0 || a.expert_token_nums_type == 1,
                "argument: expert_token_nums_type: expected 0 or 1, got ", a.expert_token_nums_type);
 
-  // Quantization (§5).
+  // Quantization (docs/distribute-v2.md).
   const int64_t mode = a.quant_mode;
   const DType xdt = a.x.dtype(), out_dt = dispatch_out_dtype(a);
   auto& in = p.in;

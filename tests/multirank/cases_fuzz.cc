@@ -7,7 +7,7 @@
 //     mismatch / capacity problem; then a whole round trip on the same Buffer (run_round_trip: layout,
 //     dispatch, combines, cached dispatch, all against the reference) shows that the next call pairs;
 //   - a result equal to the independent reference (support/reference.h) of the arguments as passed.
-// The ending each change must give is stated with it, from spec/normal-mode.md. EPCOMM_FUZZ_TRIALS (default
+// The ending each change must give is stated with it, from docs/normal-mode.md. EPCOMM_FUZZ_TRIALS (default
 // 1000) and EPCOMM_FUZZ_SEED (default 1); a failure names the seed, the trial and the change.
 #include <algorithm>
 #include <chrono>

@@ -332,9 +332,9 @@ def v2_layout(kw):
 
 
 def v2_bounds_ok(got, x, mode, scales):
-    """Dequantized rows of quant modes 2-4 within the format's error bound of spec §11.7 (per element:
+    """Dequantized rows of quant modes 2-4 within the format's error bound of docs/normal-mode.md (per element:
     int8 (0.5 + 2^-12) * scale; fp8 2^-3 |x| (e4m3 rounding plus MX saturation) + a subnormal step)."""
-    keep = torch.isfinite(x.float()).all(dim=1)  # rows with NaN/Inf follow quant.md's rules: not checked here
+    keep = torch.isfinite(x.float()).all(dim=1)  # rows with NaN/Inf follow docs/quant.md's rules: not checked here
     got, x, scales = got.float()[keep], x[keep], scales[:x.shape[0]].view(torch.uint8 if scales.element_size() == 1 else scales.dtype)[keep]
     n, H = x.shape
     xf = x.float()

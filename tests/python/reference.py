@@ -1,4 +1,4 @@
-"""A plain-torch reference of normal mode (spec normal-mode.md §3-§5), written for obviousness, not speed:
+"""A plain-torch reference of normal mode (docs/normal-mode.md), written for obviousness, not speed:
 Python loops over ranks, tokens and slots, computed from every rank's inputs (all-gathered by the tests).
 It shares nothing with epcomm."""
 import torch
@@ -62,7 +62,7 @@ class Problem:
         return sorted({int(v) // self.L for v in self.ids[s][t].tolist() if v >= 0})
 
     def rows(self, d, order, alignment):
-        """(rows, cnt, list) on receiving rank d: rows are (s, t, k) triples or None for PAD (spec §4.3/§4.4)."""
+        """(rows, cnt, list) on receiving rank d: rows are (s, t, k) triples or None for PAD (docs/normal-mode.md)."""
         R, L = self.R, self.L
         rows, cnt, lst = [], [], []
         if order == "expert_major":
@@ -127,7 +127,7 @@ class Problem:
                     per_source=per_source)
 
     def combine(self, r, order, hidden, y_of, weights=None, biases=(), out_dtype=torch.bfloat16, g_of=None):
-        """Combined rows of origin r (spec §5). y_of(d, s, t, k) is the expert output row for source (s, t)
+        """Combined rows of origin r (docs/normal-mode.md). y_of(d, s, t, k) is the expert output row for source (s, t)
         on rank d (k = slot in expert_major, -1 in rank_major) as a tensor of out_dtype. weights: [T, K] used
         instead of the dispatch's (expert_major). g_of(d, s, t) -> [K] f32 receiving-side weights
         (rank_major). Returns (combined_x, combined_weights or None)."""
@@ -171,10 +171,10 @@ class Problem:
         return cx, cw
 
 
-# ---- the operator family (spec distribute-v2.md §3, §4.2, §6), mode 0 and combine comm_quant_mode 0 / 2 -----
+# ---- the operator family (docs/distribute-v2.md), mode 0 and combine comm_quant_mode 0 / 2 -----
 
 class V2Layout:
-    """Rank layout of §3 (expert_shard_type 0): W ranks, the first Sr of them shared-expert ranks serving S
+    """Rank layout of docs/normal-mode.md (expert_shard_type 0): W ranks, the first Sr of them shared-expert ranks serving S
     shared experts with R = Sr / S replicas each, E MoE experts in blocks of L on the others; top-K routing;
     bs = Bs when global_bs is 0."""
 
@@ -190,7 +190,7 @@ class V2Layout:
         return p < self.Sr
 
     def capacity(self, p):
-        """A_p: the receive capacity of rank p (§3)."""
+        """A_p: the receive capacity of rank p (docs/normal-mode.md)."""
         if self.shared(p):
             return self.max_bs * -(-self.W // self.R)
         return self.G * min(self.L, self.K)
@@ -200,7 +200,7 @@ class V2Layout:
 
 
 def v2_activity(ids, mask):
-    """(active_tok [Bs] bool list, active_slot [Bs][K] bool lists) of §4.1."""
+    """(active_tok [Bs] bool list, active_slot [Bs][K] bool lists) of docs/normal-mode.md."""
     Bs, K = ids.shape
     if mask is None:
         return [True] * Bs, [[True] * K for _ in range(Bs)]
@@ -212,7 +212,7 @@ def v2_activity(ids, mask):
 
 
 def v2_dispatch_rows(lay, xs, idss, masks, p):
-    """The rows rank p receives (§4.2): a list of (r, t, slot, row tensor), and cnt (the inclusive running
+    """The rows rank p receives (docs/normal-mode.md): a list of (r, t, slot, row tensor), and cnt (the inclusive running
     totals of ep_recv_counts)."""
     rows, cnt = [], []
     W, K = lay.W, lay.K
@@ -266,7 +266,7 @@ def v2_dispatch(lay, xs, idss, masks, scaless, p, token_nums_type=1):
 
 
 def comm_quant_int8_g8(y):
-    """combine_v2's comm_quant_mode 2 (§6, quant.md "int8 group-8"): what the receiver decodes from rows y
+    """combine_v2's comm_quant_mode 2 (docs/normal-mode.md, docs/quant.md "int8 group-8"): what the receiver decodes from rows y
     [n, H] (bf16/f16, H % 8 == 0), in y's dtype."""
     n, H = y.shape
     f = y.float().reshape(n, H // 8, 8)
@@ -278,7 +278,7 @@ def comm_quant_int8_g8(y):
 
 
 def v2_combine(lay, r, ids, mask, expert_scales, holders, comm_quant=0, shared_x=None):
-    """combine_v2's x on origin r (§6): holders[d] = (expand_x, assist_info, n_own) of every rank d, the rows
+    """combine_v2's x on origin r (docs/normal-mode.md): holders[d] = (expand_x, assist_info, n_own) of every rank d, the rows
     it returns. ids, mask, expert_scales and shared_x are rank r's. Each product rounds to fp32, then adds;
     one rounding at the end; inactive tokens give zero rows."""
     Bs, K = ids.shape

@@ -1,5 +1,5 @@
 // epcomm/moe/distribute_v2.h — the operator family dispatch_v2 / combine_v2 / combine_add_rms_norm
-// (spec/distribute-v2.md): CANN's aclnnMoeDistribute*V2 semantics on CPUs, running on epcomm's engine.
+// (docs/distribute-v2.md): CANN's aclnnMoeDistribute*V2 semantics on CPUs, running on epcomm's engine.
 #pragma once
 
 #include <chrono>
@@ -22,10 +22,11 @@ using TensorView = Tensor;
 //
 // The operators run on a Group (the EP group) and, with tp_world_size = 2, on a second Group of size 2 (the
 // TP pair). Each Group used by these operators owns one communication context: a shared-memory segment per
-// rank, a per-group call sequence number and a failed state (spec §2.3, §8.1). It is created collectively
-// on the group's first call, or beforehand with init_group_context (recommended: a rank that misses the very
-// first call is then reported by the operators' deadline instead of the bootstrap's). It lives as long as
-// the Group. Calls on one group are made from one thread at a time, in the same order on every rank.
+// rank, a per-group call sequence number and a failed state (docs/distribute-v2.md). It is created
+// collectively on the group's first call, or beforehand with init_group_context (recommended: a rank that
+// misses the very first call is then reported by the operators' deadline instead of the bootstrap's). It
+// lives as long as the Group. Calls on one group are made from one thread at a time, in the same order on
+// every rank.
 //
 // Across nodes (comm_alg = "hierarchy", docs/internode.md): when the group's ranks span hosts (or virtual
 // nodes, ranks_per_node / EPCOMM_RANKS_PER_NODE), ranks on one node share memory and the nodes talk over UCX,
@@ -60,8 +61,9 @@ GroupNetworkCounters group_network_counters(Group& group);
 // All ranks must be on one host (a local bootstrap named after the parent's unique id).
 std::shared_ptr<Group> split_group(Group& parent, int color, int key);
 
-// The ep × tp grid of spec §2.3 over `world` (size W·T, T = max(tp_world_size, 1)): world rank w is ep rank
-// w / T and tp rank w % T (TP pairs are adjacent ranks). `tp` is null when T = 1. Collective over `world`.
+// The ep × tp grid of docs/distribute-v2.md over `world` (size W·T, T = max(tp_world_size, 1)): world rank w
+// is ep rank w / T and tp rank w % T (TP pairs are adjacent ranks). `tp` is null when T = 1. Collective over
+// `world`.
 struct EpTpGroups {
   std::shared_ptr<Group> ep, tp;
   int ep_rank = 0, tp_rank = 0;
@@ -71,8 +73,8 @@ EpTpGroups make_ep_tp_groups(Group& world, int tp_world_size);
 // ---- Operators -----------------------------------------------------------------------------------------
 
 struct OpOptions {
-  std::string strict_hardware_limits;                // "", "A2", "A3" or "950" (§9)
-  int64_t hccl_buffsize_mb = 200;                    // §9 window rule only; HCCL_BUFFSIZE is never read
+  std::string strict_hardware_limits;  // "", "A2", "A3" or "950" (docs/distribute-v2.md)
+  int64_t hccl_buffsize_mb = 200;      // docs/distribute-v2.md window rule only; HCCL_BUFFSIZE is never read
   std::optional<std::chrono::milliseconds> timeout;  // default: the group's timeout
   // Allocates the outputs the caller gives no *_out buffer for, once every argument has been checked;
   // default_allocator() when null.
@@ -87,21 +89,21 @@ struct DispatchV2Args {
           expert_shard_type = 0, shared_expert_num = 1, shared_expert_rank_num = 0, quant_mode = 0,
           global_bs = 0, expert_token_nums_type = 1, zero_expert_num = 0, copy_expert_num = 0,
           const_expert_num = 0;
-  std::optional<DType> y_dtype;                // expand_x type for quant modes 1-4 (§5)
+  std::optional<DType> y_dtype;                // expand_x type for quant modes 1-4 (docs/distribute-v2.md)
   std::optional<DType> x_dtype, scales_dtype;  // reserved: must be absent
   std::optional<TensorView> expand_x_out, dynamic_scales_out, assist_info_for_combine_out,
       expert_token_nums_out, ep_recv_counts_out, tp_recv_counts_out, expand_scales_out;
 };
 
-// Outputs in the operator's order (§2.4). Absent caller buffers are allocated with the exact shape and
-// zero-filled; given ones are the same tensors, written in their valid part only.
+// Outputs in the operator's order (docs/distribute-v2.md). Absent caller buffers are allocated with the exact
+// shape and zero-filled; given ones are the same tensors, written in their valid part only.
 struct DispatchV2Result {
   Tensor expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts,
       expand_scales;
 };
 
 // Collective and blocking over ep_group (and tp_group when tp_world_size = 2; may be null otherwise).
-// Throws epcomm::Error: InvalidUsage (bad or mismatched arguments), Timeout, Aborted (spec §8).
+// Throws epcomm::Error: InvalidUsage (bad or mismatched arguments), Timeout, Aborted (docs/distribute-v2.md).
 DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2Args& args,
                              const OpOptions& options = {});
 
