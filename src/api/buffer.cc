@@ -270,6 +270,16 @@ int64_t Buffer::num_dispatch_input_bytes() const {
   return impl_->dispatch_input_bytes;
 }
 
+// Empty when rows x cols elements of dtype fit in `area` bytes, else the bytes they need ("more than 2^63"
+// when that overflows).
+static std::string area_need(int64_t rows, int64_t cols, DType dtype, int64_t area) {
+  int64_t row = 0, bytes = 0;
+  if (__builtin_mul_overflow(cols, static_cast<int64_t>(dtype_size(dtype)), &row) ||
+      __builtin_mul_overflow(rows, row, &bytes))
+    return "more than 2^63";
+  return bytes <= area ? std::string() : std::to_string(bytes);
+}
+
 Tensor Buffer::get_dispatch_input(int64_t num_tokens, int64_t hidden, DType dtype) {
   Impl& b = *impl_;
   b.check_usable("get_dispatch_input");
@@ -278,11 +288,10 @@ Tensor Buffer::get_dispatch_input(int64_t num_tokens, int64_t hidden, DType dtyp
                "argument: dtype: expected bf16, f16 or f32, got ", dtype_name(dtype));
   EPCOMM_CHECK(num_tokens >= 0, pre, "argument: num_tokens: expected >= 0, got ", num_tokens);
   EPCOMM_CHECK(hidden >= 1, pre, "argument: hidden: expected >= 1, got ", hidden);
-  const int64_t row = hidden * static_cast<int64_t>(dtype_size(dtype));
+  const std::string need = area_need(num_tokens, hidden, dtype, b.dispatch_input_bytes);
   EPCOMM_CHECK(
-      num_tokens <= (b.dispatch_input_bytes / row), pre, "capacity: ", num_tokens, " tokens x ", hidden, " ",
-      dtype_name(dtype), " need ", num_tokens * row,
-      " bytes, but num_dispatch_input_bytes = ", b.dispatch_input_bytes,
+      need.empty(), pre, "capacity: ", num_tokens, " tokens x ", hidden, " ", dtype_name(dtype), " need ",
+      need, " bytes, but num_dispatch_input_bytes = ", b.dispatch_input_bytes,
       b.dispatch_input_bytes ? "" : " (BufferOptions::num_dispatch_input_bytes sets the shared area)");
   return Tensor::wrap(b.dispatch_input_area(), dtype, {num_tokens, hidden}, {},
                       std::shared_ptr<void>(b.alive, b.dispatch_input_area()));
@@ -310,9 +319,9 @@ Tensor Buffer::get_combine_input(const Handle& handle, DType dtype, int64_t hidd
                "argument: dtype: expected bf16, f16 or f32, got ", dtype_name(dtype));
   EPCOMM_CHECK(hidden >= 0, pre, "argument: hidden: expected >= 0, got ", hidden);
   const int64_t H = hidden ? hidden : hd.hidden;
-  const int64_t bytes = hd.num_rows * H * static_cast<int64_t>(dtype_size(dtype));
-  EPCOMM_CHECK(bytes <= b.input_bytes, pre, "capacity: ", hd.num_rows, " rows x ", H, " ", dtype_name(dtype),
-               " need ", bytes, " bytes, but num_combine_input_bytes = ", b.input_bytes,
+  const std::string need = area_need(hd.num_rows, H, dtype, b.input_bytes);
+  EPCOMM_CHECK(need.empty(), pre, "capacity: ", hd.num_rows, " rows x ", H, " ", dtype_name(dtype), " need ",
+               need, " bytes, but num_combine_input_bytes = ", b.input_bytes,
                b.input_bytes ? "" : " (BufferOptions::num_combine_input_bytes sets the shared area)");
   // The owner is the Buffer's liveness token (aliased): a view, never a copy, for wrappers that copy
   // ownerless memory (the torch bridge); the area itself lives until destroy().

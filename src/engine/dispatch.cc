@@ -8,6 +8,8 @@
 // windows carry only the routing, from which the receivers fill the rest of their outputs.
 #include "engine/dispatch.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 #include <chrono>
@@ -149,6 +151,22 @@ class QuarantineOnFailure {
   std::vector<Tensor> tensors_;
   int exceptions_;
 };
+
+// Receiver d's outputs must be allocatable (a huge expert_alignment pads every expert that gets a token):
+// InvalidUsage on every rank, before anything is allocated, when its N rows exceed 2^31 - 1 or the host's
+// memory.
+void check_receive_capacity(const OpContext& ctx, int d, int64_t rows, const RowFormat& f, int K, DType idx) {
+  EPCOMM_CHECK(rows < (int64_t{1} << 31), ctx.prefix(), "argument: rank ", d, " would receive ", rows,
+               " rows, more than 2^31 - 1");
+  const double per_row = static_cast<double>(f.data_row_bytes + f.scale_row_bytes + 3 * sizeof(int32_t)) +
+                         static_cast<double>(K) * static_cast<double>(dtype_size(idx) + sizeof(float));
+  static const double memory =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  EPCOMM_CHECK(per_row * static_cast<double>(rows) <= memory, ctx.prefix(), "capacity: receiving rank ", d,
+               " gets N = ", rows, " rows (", static_cast<int64_t>(per_row * static_cast<double>(rows)),
+               " bytes of outputs), more than this host's memory (", static_cast<int64_t>(memory),
+               " bytes); nothing was sent");
+}
 
 // Where push_rows writes each of our tokens' rows: up to `slots` (data, scales) destinations per token.
 struct PushPlan {
@@ -436,12 +454,11 @@ void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
         EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: receiving rank ", d,
                      " gets N = ", p.num_recv_rows, " rows but its num_worst_tokens = ", worst,
                      "; nothing was sent (rows are never truncated)");
+      check_receive_capacity(ctx, d, p.num_recv_rows, f, K, in.idx_dtype);  // every rank, every receiver
       if (push) push_start[d] = p.start;
       host_rows += p.num_recv_rows;
       if (d == me) plan = std::move(p);
     }
-    EPCOMM_CHECK(plan.num_recv_rows < (int64_t{1} << 31), ctx.prefix(), "argument: rank ", me,
-                 " would receive ", plan.num_recv_rows, " rows, more than 2^31 - 1");
   }
 
   // 3. Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).

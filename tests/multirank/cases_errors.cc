@@ -157,6 +157,15 @@ ERROR_CASE("expert_alignment_huge") {
   a.expert_alignment = int64_t{1} << 40;
   f.bad_dispatch(a, {"expert_alignment: expected below 2^31", "got 1099511627776"});
 }
+ERROR_CASE("expert_alignment_beyond_memory") {
+  // Every expert with a token pads to 2^28 rows: about 2^30 rows of 176 bytes per receiver, checked on every
+  // rank against the host's memory before any output is allocated.
+  Fixture f(ctx);
+  auto a = f.args();
+  a.expert_alignment = int64_t{1} << 28;
+  a.receive_order = ReceiveOrder::expert_major;
+  f.bad_dispatch(a, {"capacity: receiving rank", "more than this host's memory", "nothing was sent"});
+}
 ERROR_CASE("num_worst_tokens_huge") {
   Fixture f(ctx);
   auto a = f.args();
