@@ -242,16 +242,18 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
     for (process::State st : {process::State::stopped, process::State::gone})
       if (find_local_peer(st, *among) >= 0)
         throw Error(ErrorCode::Timeout, detail::cat(os.str(), ": ", lost_reason_));
-  os << "; still waiting for ";
+  std::ostringstream body;  // what the peers that hear of it quote: naming the one awaited peer
+  body << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i)
-    os << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #" << last_seq_seen(peers[i])
-       << ")";
-  if (peers.empty()) os << "(no peer recorded)";
+    body << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #"
+         << last_seq_seen(peers[i]) << ")";
+  if (peers.empty()) body << "(no peer recorded)";
   if (peers.size() == 1) {  // the one peer this rank waits for is the lost one: peers that hear of it name it
     lost_rank_ = peers[0];
-    lost_reason_ = detail::cat(peer_word_, " ", peers[0], " made no progress for ", timeout_s_,
-                               " s (last call seen: #", last_seq_seen(peers[0]), ")");
+    lost_reason_ = body.str();
   }
+  os.str("");
+  os << prefix() << body.str();
   throw Error(ErrorCode::Timeout, os.str());
 }
 
