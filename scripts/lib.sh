@@ -51,6 +51,7 @@ build_project() {
     # The scripts install torch, so the Python package is required here (a silent skip would hide its tests).
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=${EPCOMM_BUILD_TYPE:-RelWithDebInfo} \
       -DEPCOMM_BUILD_PYTHON=${EPCOMM_BUILD_PYTHON:-ON} -DEPCOMM_PYTHON="$EPCOMM_VENV/bin/python" \
+      -DEPCOMM_SANITIZE="${EPCOMM_SANITIZE:-}" \
       -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" >/dev/null
   fi
   cmake --build "$dir" -- -j"${EPCOMM_JOBS:-$(nproc)}" "$@"

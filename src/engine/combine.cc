@@ -545,7 +545,7 @@ void run_direct(OpContext& ctx, const CombineInput& in, CombineOutput& out) {
   // Our tokens we reduced ourselves, over the call's copy threads.
   const int64_t reduced = reduce_own_tokens(own, in, offer ? &mine->share_chunks : nullptr, T,
                                             T * slots * static_cast<int64_t>(row_bytes));
-  if (expert && cw) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
+  if (expert && cw && T * K > 0) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
 
   // Helping: one chunk of the origin with the most chunks left (the slowest, on a host with many ranks). Its
   // outputs are in its output arena, as mapped here; its results are ours to publish (share_done) before it
@@ -969,7 +969,7 @@ void run_combine(OpContext& ctx, const CombineInput& in, CombineOutput& out,
         return peers;
       });
 
-  if (expert) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);
+  if (expert && T * K > 0) std::memcpy(cw, in.weights_used.data(), sizeof(float) * T * K);  // cw: null at 0
   if (in.cost_stats) add_cost_stats(*in.cost_stats, done_us);
 }
 

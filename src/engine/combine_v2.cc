@@ -110,7 +110,7 @@ void run_combine_v2_tp(OpContext& tctx, const CombineV2Input& in, const uint8_t*
                  " rows to tp rank ", peer, ", which owns ", pc[0], " rows (its ep_send_counts); tp rank ",
                  peer, " returns ", pc[1], " rows, this rank owns ", in.n_own);
   on_moving();
-  std::memcpy(y, expand_x, static_cast<size_t>(in.n_own) * row);
+  if (in.n_own > 0) std::memcpy(y, expand_x, static_cast<size_t>(in.n_own) * row);  // y: null at 0 rows
   pair_exchange(
       tctx, "tp reduce", n_send, in.n_own, row,
       [&](int64_t i, uint8_t* dst) {

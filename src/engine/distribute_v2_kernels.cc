@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "common/target_clones.h"
 #include "epcomm/quant_element.h"
 
 namespace epcomm::engine::v2 {
@@ -38,20 +39,16 @@ template <bool kBf16>
 
 }  // namespace
 
-#if defined(__x86_64__)
-[[gnu::target_clones("avx512f", "avx2", "default")]]
-#endif
-void accumulate_rows(DType dt, const uint8_t* const* rows, const float* weights, const uint8_t* weighted, int n,
-                     int64_t H, float* acc) {
+EPCOMM_TARGET_CLONES("avx512f", "avx2", "default")
+void accumulate_rows(DType dt, const uint8_t* const* rows, const float* weights, const uint8_t* weighted,
+                     int n, int64_t H, float* acc) {
   if (dt == DType::bf16)
     accumulate_t<true>(rows, weights, weighted, n, H, acc);
   else
     accumulate_t<false>(rows, weights, weighted, n, H, acc);
 }
 
-#if defined(__x86_64__)
-[[gnu::target_clones("avx512f", "avx2", "default")]]
-#endif
+EPCOMM_TARGET_CLONES("avx512f", "avx2", "default")
 void round_row(DType dt, const float* acc, int64_t H, uint8_t* out) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   if (dt == DType::bf16)

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "common/target_clones.h"
 #include "engine/reduce_block.h"
 #include "epcomm/quant_element.h"
 
@@ -234,9 +235,7 @@ void reduce_by_count(const uint8_t* const* rows, const float* weights, int n, in
 
 // The portable loop, compiled for AVX-512, AVX2 and baseline x86-64 (chosen at load time); used where no
 // hand-written kernel fits (f16 without AVX-512, non-x86).
-#if defined(__x86_64__)
-[[gnu::target_clones("avx512f", "avx2", "default")]]
-#endif
+EPCOMM_TARGET_CLONES("avx512f", "avx2", "default")
 void reduce_token_portable(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
                            const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
   switch (dt) {

@@ -4,6 +4,7 @@
 // not depend on vector width.
 #include <algorithm>
 
+#include "common/target_clones.h"
 #include "engine/kernels.h"
 #include "engine/reduce_block.h"
 
@@ -96,12 +97,9 @@ const bool kHaveAvx512 = [] {
 
 // The portable loops, compiled for AVX-512, AVX2 and baseline x86-64 (chosen at load time); the AVX-512
 // kernels above replace them where the CPU has AVX-512. Every choice gives the same bits.
-#if defined(__x86_64__)
-[[gnu::target_clones("avx512f", "avx2", "default")]]
-#endif
-static void
-reduce_partial_portable(DType dt, const uint8_t* const* rows, const float* weights, int n, int64_t hidden,
-                        float* out) {
+EPCOMM_TARGET_CLONES("avx512f", "avx2", "default")
+static void reduce_partial_portable(DType dt, const uint8_t* const* rows, const float* weights, int n,
+                                    int64_t hidden, float* out) {
   switch (dt) {
     case DType::bf16:
       return partial_t<Bf16>(rows, weights, n, 0, hidden, out);
@@ -112,12 +110,9 @@ reduce_partial_portable(DType dt, const uint8_t* const* rows, const float* weigh
   }
 }
 
-#if defined(__x86_64__)
-[[gnu::target_clones("avx512f", "avx2", "default")]]
-#endif
-static void
-finish_partials_portable(DType dt, const float* const* parts, int n, int64_t hidden, const uint8_t* bias1,
-                         const uint8_t* bias2, uint8_t* out) {
+EPCOMM_TARGET_CLONES("avx512f", "avx2", "default")
+static void finish_partials_portable(DType dt, const float* const* parts, int n, int64_t hidden,
+                                     const uint8_t* bias1, const uint8_t* bias2, uint8_t* out) {
   switch (dt) {
     case DType::bf16:
       return finish_t<Bf16>(parts, n, 0, hidden, bias1, bias2, out);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/target_clones.h"
 #include "quant/element.h"
 
 // Only block.cc includes this header. Every loop body is straight-line: loads, binary32 multiplies/divides,
@@ -12,8 +13,9 @@
 // NaN-safe (|NaN| bits exceed |Inf| bits), so a row is non-finite exactly when that max reaches 0x7F800000.
 // Entry points in block.cc are compiled once per ISA (GCC target_clones on x86-64) and everything below is
 // force-inlined into them, so each clone vectorizes for its own vector width. Results do not depend on it.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(EPCOMM_QUANT_NO_CLONES)
-#define EPCOMM_QUANT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// (common/target_clones.h: nothing in ThreadSanitizer builds.)
+#if !defined(__clang__) && !defined(EPCOMM_QUANT_NO_CLONES)
+#define EPCOMM_QUANT_CLONES EPCOMM_TARGET_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 #else
 #define EPCOMM_QUANT_CLONES
 #endif

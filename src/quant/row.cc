@@ -101,8 +101,12 @@ void dequantize_row(QuantMode mode, const void* data, const void* scales, int64_
   };
   switch (mode) {
     case QuantMode::bf16: {
-      const auto* p = static_cast<const uint16_t*>(data);
-      for (int64_t i = 0; i < H; ++i) out[i] = bf16_to_float(p[i]);
+      // Rows of a packed record may start at an odd byte: load each element with memcpy.
+      for (int64_t i = 0; i < H; ++i) {
+        uint16_t b;
+        std::memcpy(&b, codes + 2 * i, sizeof b);
+        out[i] = bf16_to_float(b);
+      }
       return;
     }
     case QuantMode::int8:

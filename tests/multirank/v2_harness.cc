@@ -59,7 +59,7 @@ template <typename T>
 std::vector<T> with_sentinel(const std::vector<T>& ref, size_t valid, size_t total) {
   std::vector<T> v(total);
   std::memset(v.data(), kSentinel, total * sizeof(T));
-  std::memcpy(v.data(), ref.data(), valid * sizeof(T));
+  if (valid > 0) std::memcpy(v.data(), ref.data(), valid * sizeof(T));
   return v;
 }
 
