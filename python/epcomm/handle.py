@@ -25,13 +25,22 @@ LAYOUTS = {
     ("ascend", True): ("recv_src_idx", "is_token_in_rank", "send_head", "topk_idx", "topk_weights",
                        "offset_inner", "offset_outer", "count_outer", "expand_scales"),
 }
-# Items whose peer content is computed on the GPU by the forwarding rank of a node; epcomm's two-hop
-# protocol keeps no such state where the item would have to be built, so reading them raises.
-_UNAVAILABLE = {"recv_rdma_channel_prefix_matrix", "recv_src_meta", "send_rdma_head", "send_nvl_head",
-                "offset_inner", "offset_outer", "count_outer"}
+# Items whose peer content is computed on the GPU by the forwarding rank of a node (from other ranks'
+# routing); epcomm's two-hop protocol keeps no such state where the item would have to be built, so reading
+# them raises.
+_UNAVAILABLE = {"recv_rdma_channel_prefix_matrix", "recv_src_meta", "send_nvl_head", "offset_inner"}
+# The Ascend port allocates its per-token internode items for this many tokens (its MAX_BATCH_SIZE); rows past
+# the dispatch's tokens hold "not sent" (docs/python.md).
+ASCEND_MAX_BATCH = 4096
 # The Ascend port's alltoall handle is a dict; these are its keys that epcomm's handle answers.
 ALLTOALL_KEYS = ("input_splits", "output_splits", "topk_idx", "topk_weights", "num_local_experts",
                  "hidden_shape")
+
+
+def _index_among_sent(sent):
+    """[T, X] bool -> [T, X] i32: t's index among the tokens t' with sent[t', x], -1 where not sent[t, x]."""
+    before = torch.cumsum(sent.to(torch.int32), 0) - 1
+    return torch.where(sent, before, torch.full_like(before, -1)).to(torch.int32)
 
 
 class Handle(tuple):
@@ -143,8 +152,7 @@ class Handle(tuple):
         """[T, R] i32: own token t's first row among the rows rank d receives from this rank, -1 if not sent."""
         in_rank = self._in_rank()
         if self.receive_order == "rank_major" or self._topk[0] is None:
-            before = torch.cumsum(in_rank.to(torch.int32), 0) - 1
-            return torch.where(in_rank, before, torch.full_like(before, -1)).to(torch.int32)
+            return _index_among_sent(in_rank)
         return self._expert_major_send_head(in_rank)
 
     def _expert_major_send_head(self, in_rank):
@@ -178,13 +186,35 @@ class Handle(tuple):
         out.index_add_(0, torch.tensor(self._node_of), per_rank.to(torch.int64))
         return out
 
+    def _in_node(self):
+        """[T, M] bool: whether own token t goes to some rank of node m (it crosses to a node once)."""
+        in_rank = self._in_rank()
+        per_node = torch.zeros(in_rank.shape[0], max(self._node_of) + 1, dtype=torch.int64)
+        per_node.index_add_(1, torch.tensor(self._node_of, dtype=torch.int64), in_rank.to(torch.int64))
+        return per_node > 0
+
     def _item_rdma_channel_prefix_matrix(self):
         """[M, 1] i32: own tokens sent to node m (one token crosses to a node once)."""
-        in_rank = self._in_rank()
-        nodes = max(self._node_of) + 1
-        node = torch.tensor(self._node_of)
-        sent = [int(in_rank[:, node == m].any(1).sum()) for m in range(nodes)]
-        return torch.tensor(sent, dtype=torch.int32).reshape(nodes, 1)
+        return self._in_node().sum(0).reshape(-1, 1).to(torch.int32)
+
+    def _item_send_rdma_head(self):
+        """[T, M] i32: own token t's index among this rank's tokens sent to node m, -1 if not sent there."""
+        return _index_among_sent(self._in_node())
+
+    def _ascend_rows(self):
+        return max(self.num_tokens, ASCEND_MAX_BATCH)
+
+    def _item_offset_outer(self):
+        """[max(T, 4096), M] i32: send_rdma_head's value for own tokens, -1 in the rows past them."""
+        out = torch.full((self._ascend_rows(), max(self._node_of) + 1), -1, dtype=torch.int32)
+        out[:self.num_tokens] = self._item_send_rdma_head()
+        return out
+
+    def _item_count_outer(self):
+        """[max(T, 4096)] i32: the number of nodes own token t goes to, 0 in the rows past them."""
+        out = torch.zeros(self._ascend_rows(), dtype=torch.int32)
+        out[:self.num_tokens] = self._in_node().sum(1).to(torch.int32)
+        return out
 
     def _item_gbl_channel_prefix_matrix(self):
         return self._item_channel_prefix_matrix()

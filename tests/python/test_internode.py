@@ -1,15 +1,19 @@
 """The Python front across virtual nodes (docs/internode.md): the same problem on one node and on two nodes
 of two ranks (ranks_per_node=2, UCX over TCP) gives bitwise identical dispatch outputs and handles, and a
 rank_major combine of the fed-back rows equal bit for bit (sums of equal values do not depend on the
-partition); expert_major combines agree to f32 rounding (docs/normal-mode.md: partials may associate differently)."""
+partition); expert_major combines agree to f32 rounding (docs/normal-mode.md: partials may associate differently).
+The per-node handle items (send_rdma_head, offset_outer, count_outer) are checked against a loop reference over
+the top-k ids and against where the rows landed."""
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import epcomm
-from harness import spawn
+from epcomm.handle import ASCEND_MAX_BATCH, Handle
+from harness import gather, spawn
 
 
 def _body(rank, world):
@@ -119,3 +123,94 @@ def _v2_body(rank, world):
 @pytest.mark.parametrize("world", [4])
 def test_v2_two_virtual_nodes_match_one_node(world):
     spawn(_v2_body, world, env={"UCX_TLS": "tcp"})
+
+
+def _node_reference(ids, E, R, P):
+    """send_rdma_head / offset_outer and count_outer of docs/python.md, by plain loops over the top-k ids:
+    head[t][m] = t's index among the tokens that go to some rank of node m (-1 if none), count[t] = its nodes."""
+    L, M = E // R, R // P
+    head, count, sent = [], [], [0] * M
+    for t in range(ids.shape[0]):
+        nodes = sorted({(e // L) // P for e in ids[t].tolist() if e >= 0})
+        row = [-1] * M
+        for m in nodes:
+            row[m] = sent[m]
+            sent[m] += 1
+        head.append(row)
+        count.append(len(nodes))
+    return head, count
+
+
+def _node_items_body(rank, world):
+    """The internode positional items computed from the routing (docs/python.md), on 2 virtual nodes of 2 ranks,
+    for both flavors: against the loop reference, and against where the rows really landed (a token sent to
+    node m reached some rank of m, once per token whatever its number of ranks there)."""
+    P, E, K, H, T = 2, 4 * world, 3, 16, 23 + 3 * rank
+    M = world // P
+    g = torch.Generator().manual_seed(300 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
+    ids[torch.rand(T, K, generator=g) < 0.3] = -1
+    ids[0] = -1  # a token sent nowhere
+    ids[1] = torch.tensor([0, E // world, -1])  # two ranks of node 0: it crosses to node 0 once
+    ws = torch.rand(T, K, generator=g)
+    head, count = _node_reference(ids, E, world, P)
+    forwarder_only = ("recv_rdma_channel_prefix_matrix", "recv_src_meta", "send_nvl_head", "offset_inner")
+    for flavor in ("deepep", "ascend"):
+        buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_rdma_bytes=16 << 20, ranks_per_node=P,
+                            flavor=flavor)
+        assert buf.num_nodes == M
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
+        _, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                        num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=ws)
+        if flavor == "deepep":
+            srh = h[8]
+            assert h.item_names[8] == "send_rdma_head" and h[8] is h.item("send_rdma_head")
+            assert srh.shape == (T, M) and srh.dtype == torch.int32, (srh.shape, srh.dtype)
+            assert srh.tolist() == head, (srh.tolist(), head)
+            assert h[1].reshape(-1).tolist() == [max(col) + 1 for col in zip(*head)], "vs rdma_channel_prefix"
+        else:
+            outer, cnt = h[6], h[7]
+            assert h.item_names[6:8] == ("offset_outer", "count_outer")
+            assert outer.shape == (ASCEND_MAX_BATCH, M) and outer.dtype == torch.int32, (outer.shape, outer.dtype)
+            assert cnt.shape == (ASCEND_MAX_BATCH,) and cnt.dtype == torch.int32, (cnt.shape, cnt.dtype)
+            assert outer[:T].tolist() == head, (outer[:T].tolist(), head)
+            assert cnt[:T].tolist() == count, (cnt[:T].tolist(), count)
+            assert (outer[T:] == -1).all() and (cnt[T:] == 0).all(), "rows past the tokens: not sent"
+            srh = outer[:T]
+        # Where the rows landed: own tokens that reached node m's ranks, in token order, are head's column m.
+        srcs = gather((h.recv_src_rank.clone(), h.recv_src_token.clone()))
+        for m in range(M):
+            landed = set()
+            for d in range(m * P, (m + 1) * P):
+                src_rank, src_token = srcs[d]
+                landed |= set(src_token[src_rank == rank].tolist())
+            column = srh[:, m].tolist()
+            assert sorted(landed) == [t for t in range(T) if column[t] >= 0], (m, sorted(landed), column)
+            assert [column[t] for t in sorted(landed)] == list(range(len(landed))), (m, column)
+        for name in forwarder_only:
+            if name in h.item_names:
+                with pytest.raises(epcomm.InvalidUsageError, match="forwarding rank"):
+                    h[h.item_names.index(name)]
+        assert sum(name in h.item_names for name in forwarder_only) == (3 if flavor == "deepep" else 1)
+        buf.destroy()
+
+
+@pytest.mark.parametrize("world", [4])
+def test_node_items_from_routing(world):
+    spawn(_node_items_body, world, env={"UCX_TLS": "tcp"})
+
+
+def test_ascend_outer_items_past_max_batch():
+    """More tokens than the Ascend port's MAX_BATCH_SIZE: one row per token, no padding (docs/python.md)."""
+    T, node_of = ASCEND_MAX_BATCH + 3, [0, 0, 1, 1]
+    in_rank = torch.zeros(T, 4, dtype=torch.int32)
+    in_rank[::2, 1] = 1
+    in_rank[::3, 2] = in_rank[::3, 3] = 1
+    impl = SimpleNamespace(is_token_in_rank=in_rank, num_tokens=T, num_recv_rows_per_source=[0] * 4)
+    h = Handle(impl, flavor="ascend", node_of=node_of)
+    outer, cnt = h.item("offset_outer"), h.item("count_outer")
+    assert outer.shape == (T, 2) and cnt.shape == (T,)
+    assert outer[:, 0].tolist() == [t // 2 if t % 2 == 0 else -1 for t in range(T)]
+    assert outer[:, 1].tolist() == [t // 3 if t % 3 == 0 else -1 for t in range(T)]
+    assert cnt.tolist() == [(t % 2 == 0) + (t % 3 == 0) for t in range(T)]
