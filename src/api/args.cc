@@ -254,8 +254,11 @@ void detect_shared_dispatch_input(const Buffer::Impl& b, const DispatchArgs& a, 
 
 }  // namespace
 
-void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
-                      ReceiveOrder& order) {
+namespace {
+
+// Checks and copies what every dispatch takes: chunk sizes, copy threads, cost statistics, alignment and
+// worst-case sizes.
+void prepare_common(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in) {
   const int R = b.num_ranks;
   auto ch = chunks_of(a.config);
   std::copy(ch.begin(), ch.end(), in.chunks);
@@ -273,40 +276,133 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
       a.expert_alignment);
   EPCOMM_CHECK(a.num_worst_tokens >= 0, "argument: num_worst_tokens: expected >= 0, got ",
                a.num_worst_tokens);
+}
 
-  if (a.handle) {  // cached re-dispatch (docs/normal-mode.md)
-    const Handle::Impl& hd = own_handle(b, a.handle);
-    in.cached = true;
-    in.handle = std::shared_ptr<const Handle::Impl>(a.handle, &hd);
-    order = hd.order;
-    in.order = hd.order;
-    for (auto [name, given] : {std::pair<const char*, bool>{"topk_idx", a.topk_idx.has_value()},
-                               {"topk_weights", a.topk_weights.has_value()},
-                               {"num_tokens_per_rank", a.num_tokens_per_rank.has_value()},
-                               {"num_tokens_per_rdma_rank", a.num_tokens_per_rdma_rank.has_value()},
-                               {"is_token_in_rank", a.is_token_in_rank.has_value()},
-                               {"num_tokens_per_expert", a.num_tokens_per_expert.has_value()}})
-      EPCOMM_CHECK(!given, "argument: ", name, " must be None for a cached dispatch (handle given)");
-    EPCOMM_CHECK(a.expert_alignment == 1 || a.expert_alignment == hd.expert_alignment,
-                 "argument: expert_alignment = ", a.expert_alignment, " differs from the handle's ",
-                 hd.expert_alignment);
-    EPCOMM_CHECK(a.num_worst_tokens == 0 || a.num_worst_tokens == hd.num_worst_tokens,
-                 "argument: num_worst_tokens = ", a.num_worst_tokens, " differs from the handle's ",
-                 hd.num_worst_tokens);
-    EPCOMM_CHECK(!a.receive_order || *a.receive_order == hd.order,
-                 "argument: receive_order = ", receive_order_name(*a.receive_order),
-                 " differs from the handle's ", receive_order_name(hd.order));
-    select_format(a, in);
-    detect_shared_dispatch_input(b, a, in);
-    EPCOMM_CHECK_EQ(a.x.data.size(0), hd.num_tokens, "argument: x: rows must equal handle.num_tokens");
-    in.num_tokens = hd.num_tokens;
-    in.num_experts = hd.num_experts;
-    in.num_topk = hd.num_topk;
-    in.expert_alignment = hd.expert_alignment;
-    in.num_worst_tokens = hd.num_worst_tokens;
-    return;
+// A cached re-dispatch (docs/normal-mode.md): the handle's routing, x alone.
+void prepare_cached(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
+                    ReceiveOrder& order) {
+  const Handle::Impl& hd = own_handle(b, a.handle);
+  in.cached = true;
+  in.handle = std::shared_ptr<const Handle::Impl>(a.handle, &hd);
+  order = hd.order;
+  in.order = hd.order;
+  for (auto [name, given] : {std::pair<const char*, bool>{"topk_idx", a.topk_idx.has_value()},
+                             {"topk_weights", a.topk_weights.has_value()},
+                             {"num_tokens_per_rank", a.num_tokens_per_rank.has_value()},
+                             {"num_tokens_per_rdma_rank", a.num_tokens_per_rdma_rank.has_value()},
+                             {"is_token_in_rank", a.is_token_in_rank.has_value()},
+                             {"num_tokens_per_expert", a.num_tokens_per_expert.has_value()}})
+    EPCOMM_CHECK(!given, "argument: ", name, " must be None for a cached dispatch (handle given)");
+  EPCOMM_CHECK(a.expert_alignment == 1 || a.expert_alignment == hd.expert_alignment,
+               "argument: expert_alignment = ", a.expert_alignment, " differs from the handle's ",
+               hd.expert_alignment);
+  EPCOMM_CHECK(a.num_worst_tokens == 0 || a.num_worst_tokens == hd.num_worst_tokens,
+               "argument: num_worst_tokens = ", a.num_worst_tokens, " differs from the handle's ",
+               hd.num_worst_tokens);
+  EPCOMM_CHECK(!a.receive_order || *a.receive_order == hd.order,
+               "argument: receive_order = ", receive_order_name(*a.receive_order),
+               " differs from the handle's ", receive_order_name(hd.order));
+  select_format(a, in);
+  detect_shared_dispatch_input(b, a, in);
+  EPCOMM_CHECK_EQ(a.x.data.size(0), hd.num_tokens, "argument: x: rows must equal handle.num_tokens");
+  in.num_tokens = hd.num_tokens;
+  in.num_experts = hd.num_experts;
+  in.num_topk = hd.num_topk;
+  in.expert_alignment = hd.expert_alignment;
+  in.num_worst_tokens = hd.num_worst_tokens;
+}
+
+// A fresh dispatch with top-k: the ids normalized, the layout computed and checked against the caller's.
+void routing_from_topk(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
+                       const routing::ExpertMap& map) {
+  const int R = b.num_ranks;
+  const int64_t T = in.num_tokens, E = in.num_experts;
+  const Tensor& npe = *a.num_tokens_per_expert;
+  const Tensor& ti = *a.topk_idx;
+  const Tensor& tw = *a.topk_weights;
+  EPCOMM_CHECK(ti.dim() == 2 && ti.size(0) == T, "argument: topk_idx: shape ", shape_str(ti.shape()),
+               ", expected [", T, ", num_topk] = [num_tokens, num_topk]");
+  check_dtype(ti, "topk_idx", {DType::i64, DType::i32});
+  check_contiguous(ti, "topk_idx");
+  const int K = static_cast<int>(ti.size(1));
+  EPCOMM_CHECK(K >= 1 && K <= 1024, "argument: topk_idx: num_topk = ", K, ", expected 1 to 1024");
+  check_shape(tw, "topk_weights", {T, K}, "[num_tokens, num_topk]");
+  check_dtype(tw, "topk_weights", {DType::f32});
+  check_contiguous(tw, "topk_weights");
+  in.num_topk = K;
+  in.idx_dtype = ti.dtype();
+  in.ids.resize(static_cast<size_t>(T) * K);
+  routing::normalize_topk_ids(ti.data(), ti.dtype() == DType::i64, T, K, static_cast<int>(E), in.ids.data());
+  in.weights.assign(tw.data_as<float>(), tw.data_as<float>() + T * K);
+  auto lay = routing::compute_layout(in.ids.data(), T, K, map, b.node_of_rank, b.num_nodes);
+  check_equal_layout(npe, "num_tokens_per_expert", lay.num_tokens_per_expert);
+  if (a.num_tokens_per_rank) {
+    check_shape(*a.num_tokens_per_rank, "num_tokens_per_rank", {R}, "[num_ranks]");
+    check_dtype(*a.num_tokens_per_rank, "num_tokens_per_rank", {DType::i32, DType::i64});
+    check_equal_layout(*a.num_tokens_per_rank, "num_tokens_per_rank", lay.num_tokens_per_rank);
   }
+  if (a.is_token_in_rank) {
+    check_shape(*a.is_token_in_rank, "is_token_in_rank", {T, R}, "[num_tokens, num_ranks]");
+    check_dtype(*a.is_token_in_rank, "is_token_in_rank", {DType::boolean, DType::i32});
+    check_equal_layout(*a.is_token_in_rank, "is_token_in_rank", lay.is_token_in_rank);
+  }
+  if (a.num_tokens_per_rdma_rank) {
+    check_shape(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", {b.num_nodes}, "[num_nodes]");
+    check_dtype(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", {DType::i32, DType::i64});
+    check_equal_layout(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", lay.num_tokens_per_node);
+  }
+  in.pairs_per_expert = lay.num_tokens_per_expert;
+  in.tokens_per_rank = lay.num_tokens_per_rank;
+  in.in_rank = std::move(lay.is_token_in_rank);
+}
 
+// A fresh dispatch without top-k (rank_major): is_token_in_rank gives the routing.
+void routing_from_in_rank(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
+                          ReceiveOrder order) {
+  const int R = b.num_ranks;
+  const int64_t T = in.num_tokens, E = in.num_experts;
+  const Tensor& npe = *a.num_tokens_per_expert;
+  EPCOMM_CHECK(
+      order == ReceiveOrder::rank_major,
+      "argument: receive_order = expert_major requires topk_idx and topk_weights (got None); DeepEP's "
+      "contract without top-k is receive_order = rank_major: pass receive_order=\"rank_major\", or in "
+      "Python create the Buffer with flavor=\"deepep\" (or set EPCOMM_FLAVOR=deepep)");
+  EPCOMM_CHECK(a.is_token_in_rank.has_value(),
+               "argument: is_token_in_rank: required without topk_idx, got None");
+  const Tensor& itr = *a.is_token_in_rank;
+  check_shape(itr, "is_token_in_rank", {T, R}, "[num_tokens, num_ranks]");
+  check_dtype(itr, "is_token_in_rank", {DType::boolean, DType::i32});
+  in.in_rank.resize(static_cast<size_t>(T) * R);
+  in.tokens_per_rank.assign(R, 0);
+  for (int64_t i = 0; i < T * R; ++i) {
+    int64_t v = read_int(itr, i);
+    EPCOMM_CHECK(v == 0 || v == 1, "argument: is_token_in_rank[", i / R, ", ", i % R, "] = ", v,
+                 ", expected 0 or 1");
+    in.in_rank[i] = static_cast<uint8_t>(v);
+    in.tokens_per_rank[i % R] += static_cast<int32_t>(v);
+  }
+  if (a.num_tokens_per_rank) {
+    check_shape(*a.num_tokens_per_rank, "num_tokens_per_rank", {R}, "[num_ranks]");
+    check_dtype(*a.num_tokens_per_rank, "num_tokens_per_rank", {DType::i32, DType::i64});
+    check_equal_layout(*a.num_tokens_per_rank, "num_tokens_per_rank (column sums of is_token_in_rank)",
+                       in.tokens_per_rank);
+  }
+  in.pairs_per_expert.resize(E);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t v = read_int(npe, e);
+    EPCOMM_CHECK(v >= 0 && v < (int64_t{1} << 31), "argument: num_tokens_per_expert[", e, "] = ", v,
+                 ", expected 0 to 2^31 - 1");
+    in.pairs_per_expert[e] = static_cast<int32_t>(v);
+  }
+}
+
+}  // namespace
+
+void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
+                      ReceiveOrder& order) {
+  const int R = b.num_ranks;
+  prepare_common(b, a, in);
+  if (a.handle) return prepare_cached(b, a, in, order);
   order = a.receive_order.value_or(b.options.receive_order);
   in.order = order;
   select_format(a, in);
@@ -335,78 +431,10 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   in.num_experts = static_cast<int>(E);
   routing::ExpertMap map{static_cast<int>(E), R, static_cast<int>(E / R)};
 
-  if (a.topk_idx) {
-    const Tensor& ti = *a.topk_idx;
-    const Tensor& tw = *a.topk_weights;
-    EPCOMM_CHECK(ti.dim() == 2 && ti.size(0) == T, "argument: topk_idx: shape ", shape_str(ti.shape()),
-                 ", expected [", T, ", num_topk] = [num_tokens, num_topk]");
-    check_dtype(ti, "topk_idx", {DType::i64, DType::i32});
-    check_contiguous(ti, "topk_idx");
-    const int K = static_cast<int>(ti.size(1));
-    EPCOMM_CHECK(K >= 1 && K <= 1024, "argument: topk_idx: num_topk = ", K, ", expected 1 to 1024");
-    check_shape(tw, "topk_weights", {T, K}, "[num_tokens, num_topk]");
-    check_dtype(tw, "topk_weights", {DType::f32});
-    check_contiguous(tw, "topk_weights");
-    in.num_topk = K;
-    in.idx_dtype = ti.dtype();
-    in.ids.resize(static_cast<size_t>(T) * K);
-    routing::normalize_topk_ids(ti.data(), ti.dtype() == DType::i64, T, K, static_cast<int>(E),
-                                in.ids.data());
-    in.weights.assign(tw.data_as<float>(), tw.data_as<float>() + T * K);
-    auto lay = routing::compute_layout(in.ids.data(), T, K, map, b.node_of_rank, b.num_nodes);
-    check_equal_layout(npe, "num_tokens_per_expert", lay.num_tokens_per_expert);
-    if (a.num_tokens_per_rank) {
-      check_shape(*a.num_tokens_per_rank, "num_tokens_per_rank", {R}, "[num_ranks]");
-      check_dtype(*a.num_tokens_per_rank, "num_tokens_per_rank", {DType::i32, DType::i64});
-      check_equal_layout(*a.num_tokens_per_rank, "num_tokens_per_rank", lay.num_tokens_per_rank);
-    }
-    if (a.is_token_in_rank) {
-      check_shape(*a.is_token_in_rank, "is_token_in_rank", {T, R}, "[num_tokens, num_ranks]");
-      check_dtype(*a.is_token_in_rank, "is_token_in_rank", {DType::boolean, DType::i32});
-      check_equal_layout(*a.is_token_in_rank, "is_token_in_rank", lay.is_token_in_rank);
-    }
-    if (a.num_tokens_per_rdma_rank) {
-      check_shape(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", {b.num_nodes}, "[num_nodes]");
-      check_dtype(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", {DType::i32, DType::i64});
-      check_equal_layout(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", lay.num_tokens_per_node);
-    }
-    in.pairs_per_expert = lay.num_tokens_per_expert;
-    in.tokens_per_rank = lay.num_tokens_per_rank;
-    in.in_rank = std::move(lay.is_token_in_rank);
-  } else {
-    EPCOMM_CHECK(
-        order == ReceiveOrder::rank_major,
-        "argument: receive_order = expert_major requires topk_idx and topk_weights (got None); DeepEP's "
-        "contract without top-k is receive_order = rank_major: pass receive_order=\"rank_major\", or in "
-        "Python create the Buffer with flavor=\"deepep\" (or set EPCOMM_FLAVOR=deepep)");
-    EPCOMM_CHECK(a.is_token_in_rank.has_value(),
-                 "argument: is_token_in_rank: required without topk_idx, got None");
-    const Tensor& itr = *a.is_token_in_rank;
-    check_shape(itr, "is_token_in_rank", {T, R}, "[num_tokens, num_ranks]");
-    check_dtype(itr, "is_token_in_rank", {DType::boolean, DType::i32});
-    in.in_rank.resize(static_cast<size_t>(T) * R);
-    in.tokens_per_rank.assign(R, 0);
-    for (int64_t i = 0; i < T * R; ++i) {
-      int64_t v = read_int(itr, i);
-      EPCOMM_CHECK(v == 0 || v == 1, "argument: is_token_in_rank[", i / R, ", ", i % R, "] = ", v,
-                   ", expected 0 or 1");
-      in.in_rank[i] = static_cast<uint8_t>(v);
-      in.tokens_per_rank[i % R] += static_cast<int32_t>(v);
-    }
-    if (a.num_tokens_per_rank) {
-      check_shape(*a.num_tokens_per_rank, "num_tokens_per_rank", {R}, "[num_ranks]");
-      check_dtype(*a.num_tokens_per_rank, "num_tokens_per_rank", {DType::i32, DType::i64});
-      check_equal_layout(*a.num_tokens_per_rank, "num_tokens_per_rank (column sums of is_token_in_rank)",
-                         in.tokens_per_rank);
-    }
-    in.pairs_per_expert.resize(E);
-    for (int64_t e = 0; e < E; ++e) {
-      int64_t v = read_int(npe, e);
-      EPCOMM_CHECK(v >= 0 && v < (int64_t{1} << 31), "argument: num_tokens_per_expert[", e, "] = ", v,
-                   ", expected 0 to 2^31 - 1");
-      in.pairs_per_expert[e] = static_cast<int32_t>(v);
-    }
-  }
+  if (a.topk_idx)
+    routing_from_topk(b, a, in, map);
+  else
+    routing_from_in_rank(b, a, in, order);
 }
 
 void check_worst_case_outputs(const engine::DispatchInput& in) {

@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "common/check.h"
-#include "epcomm/buffer.h"
+#include "epcomm/group.h"
 
 namespace epcomm {
 

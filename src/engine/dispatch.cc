@@ -274,551 +274,695 @@ void check_headers_match(const OpContext& ctx) {
   report("config.num_max_rdma_chunked_recv_tokens", [](const HeaderData* h) { return h->chunks[3]; });
 }
 
-void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
-                  const std::function<void()>& on_shapes) {
-  const int R = ctx.size(), me = ctx.rank();
-  // Our tokens' routing. A fresh dispatch moves these vectors into its handle below: their elements stay
-  // where they are, so these pointers stay valid.
-  const int32_t* const my_ids = in.ids.data();
-  const float* const my_weights = in.weights.data();
-  const uint8_t* const my_in_rank = in.in_rank.data();
-  const Handle::Impl* hd = in.handle.get();
-  const int K = in.cached ? hd->num_topk : in.num_topk;
-  const bool has_topk = in.cached ? hd->has_topk : in.num_topk > 0;
-  const auto t_start = Clock::now();
+namespace {
 
-  // Window geometry and staging are local: the first two windows are staged while the headers travel
-  // (our data area is free: every op ends only once the peers are done with it).
-  const size_t row_bytes = in.format.data_row_bytes + in.format.scale_row_bytes;
-  const size_t meta = meta_bytes_of(K, R, in.cached);
-  Internode* inter = ctx.internode();
-  const int M = inter ? inter->topo.num_nodes : 1, my_node = ctx.node_of(me);
-  size_t lane_half = 0, net_meta = 0;  // net_meta: routing bytes per compact entry
-  DispatchGeometry geo = window_geometry(ctx, row_bytes, meta, lane_half, net_meta);
-  int64_t W = geo.window;
-  // The capacity rule (docs/normal-mode.md) holds for the staged record, whether or not the rows are pushed.
-  const int64_t row_window = W;
-  int64_t my_nwin = W > 0 ? num_windows(in.num_tokens, W) : 0;
-  uint8_t* my_area = ctx.data(me);
-  const RowFormat& f = in.format;
+// One dispatch call, phase by phase; run_dispatch below is its driver. The members are the call's state,
+// shared by the phases; each phase is one method.
+class DispatchCall {
+ public:
+  DispatchCall(OpContext& ctx, DispatchInput& in, DispatchOutput& out);
+  void exchange_headers();     // 1. header (and counts), the first windows staged, every header in
+  void plan_receives();        // 2. every receiver's rows, known on every rank
+  void check_windows() const;  // 3. a segment that cannot hold one staged token
+  void set_up_outputs();       // 4. outputs, published to pushing senders, the handle's shape
+  void move_rows();            // 5. rounds: stage own windows, pull (or push) every source's rows
+  void finish() const;
+
+ private:
+  void stage(int64_t w);
+  void publish_staged();
+  void start_internode();
+  void fill_header();
+  void allocate_outputs();
+  void bind_outputs();
+  void publish_recv_x();
+  void fill_handle_shape();
+  void set_up_rounds();
+  void push_rows(const std::vector<char>& now);
+  void plan_push(const std::vector<char>& now, PushPlan& plan);
+  void pull(int s, int64_t w);
+  void pull_cached(int s, int64_t w, int64_t t1, const StagedWindow& win, const uint8_t* sx);
+  void pull_entry(int s, int64_t t, const uint8_t* payload, const uint8_t* m);
+  bool can_stage(int64_t w) const;
+  bool out_ready(int d) const {
+    return ctx_.control(d)->out_ready.load(std::memory_order_acquire) >= pack(seq_, 1);
+  }
+  bool pushed_by(int s) const {
+    return ctx_.cell(me_, s)->pushed.load(std::memory_order_acquire) >= pack(seq_, 1);
+  }
+  int64_t elapsed_us(Clock::time_point t) const {
+    return std::chrono::duration_cast<std::chrono::microseconds>(t - t_start_).count();
+  }
+  int64_t arena_offset(const Tensor& t) const {
+    return arena_ ? arena_->offset_of(t.data(), t.nbytes()) : -1;
+  }
+  bool data_step(bool& progressed);
+  bool pull_sources(bool& progressed);
+  void serve_receivers(bool& progressed);
+  std::vector<int> awaited_peers() const;
+
+  OpContext& ctx_;
+  DispatchInput& in_;
+  DispatchOutput& out_;
+  const int R_, me_;
+  // Our tokens' routing. A fresh dispatch moves these vectors into its handle: their elements stay where
+  // they are, so these pointers stay valid.
+  const int32_t* const my_ids_;
+  const float* const my_weights_;
+  const uint8_t* const my_in_rank_;
+  const Handle::Impl* const hd_;
+  Handle::Impl* const nh_;
+  const int K_;
+  const bool has_topk_;
+  const Clock::time_point t_start_;
+  const RowFormat& f_;
+  const size_t row_bytes_, meta_;
+  Internode* const inter_;
+  const int M_, my_node_;
+  Transport& tp_;
+  const OutputArena* const arena_;
+  const uint64_t seq_;
+  // Window geometry and staging are local: the first two windows are staged while the headers travel (our
+  // data area is free: every op ends only once the peers are done with it).
+  size_t lane_half_ = 0, net_meta_ = 0;  // net_meta: routing bytes per compact entry
+  DispatchGeometry geo_;
+  int64_t W_;
+  int64_t row_window_;  // the capacity rule (docs/normal-mode.md) holds for the staged record, pushed or not
+  int64_t my_nwin_;
+  uint8_t* const my_area_;
+  bool share_x_ = false;
+  bool can_push_ = false;
+  bool push_ = false;  // decided once the headers are in
+  int64_t staged_ = 0;
+  std::optional<WindowSender> sender_;
+  std::optional<AckForwarder> acks_;
+  Clock::time_point t_headers_;
+  std::vector<int64_t> tokens_of_;
+  int L_ = 0;
+  routing::ExpertMap map_{};
+  routing::ReceivePlan plan_;
+  std::vector<int64_t> rows_matrix_;              // every receiver's rows per source (the handle keeps it)
+  std::vector<std::vector<int64_t>> push_start_;  // receiver d's first row of each of our runs
+  int64_t host_rows_ = 0;                         // rows all receivers get together
+  int64_t N_ = 0, rows_ = 0;
+  Outputs o_;
+  const std::vector<int64_t>* rows_from_ = nullptr;
+  QuarantineOnFailure quarantine_;
+  const std::vector<int32_t>* my_dest_tokens_ = nullptr;
+  std::vector<int64_t> nwin_, pulled_, done_us_;
+  std::vector<int64_t> cursor_;  // receive cursors (fresh): next row of (s, j) expert_major, of s rank_major
+  std::vector<int64_t> src_fill_, cached_pos_;
+  std::vector<const uint8_t*> shared_x_;  // sources whose x lies in their shared dispatch-input area
+  std::vector<char> pushed_to_;
+  int push_left_ = 0;  // receivers of our tokens not served yet
+  bool oversubscribed_ = false;
+  std::vector<char> serve_;  // receivers the next pass serves (refilled at every poll, not reallocated)
+};
+
+DispatchCall::DispatchCall(OpContext& ctx, DispatchInput& in, DispatchOutput& out)
+    : ctx_(ctx),
+      in_(in),
+      out_(out),
+      R_(ctx.size()),
+      me_(ctx.rank()),
+      my_ids_(in.ids.data()),
+      my_weights_(in.weights.data()),
+      my_in_rank_(in.in_rank.data()),
+      hd_(in.handle.get()),
+      nh_(out.handle.get()),
+      K_(in.cached ? hd_->num_topk : in.num_topk),
+      has_topk_(in.cached ? hd_->has_topk : in.num_topk > 0),
+      t_start_(Clock::now()),
+      f_(in.format),
+      row_bytes_(in.format.data_row_bytes + in.format.scale_row_bytes),
+      meta_(meta_bytes_of(K_, R_, in.cached)),
+      inter_(ctx.internode()),
+      M_(inter_ ? inter_->topo.num_nodes : 1),
+      my_node_(ctx.node_of(me_)),
+      tp_(ctx.transport()),
+      arena_(tp_.output_arena().get()),
+      seq_(ctx.seq()),
+      my_area_(ctx.data(me_)) {
+  geo_ = window_geometry(ctx_, row_bytes_, meta_, lane_half_, net_meta_);
+  W_ = geo_.window;
+  row_window_ = W_;
+  my_nwin_ = W_ > 0 ? num_windows(in_.num_tokens, W_) : 0;
   // x in our shared dispatch-input area (one node, plain rows): receivers read the rows in place, the
   // windows carry only the routing (same geometry, so that every rank computes the same windows).
-  const bool share_x = !inter && in.shared_offset >= 0 && !f.quantize && !in.scales;
+  share_x_ = !inter_ && in_.shared_offset >= 0 && !f_.quantize && !in_.scales;
   // Whether our rows can be pushed (every rank must say so): outputs in our output arena, x private (or
-  // quantized here), one node, no cost statistics asked for (pushed rows land only once
-  // every rank has arrived, so a late rank's delay would show in every element instead of its own:
-  // docs/normal-mode.md).
-  Transport& tp = ctx.transport();
-  const OutputArena* arena = tp.output_arena().get();
-  auto arena_offset = [&](const Tensor& t) { return arena ? arena->offset_of(t.data(), t.nbytes()) : -1; };
+  // quantized here), one node, no cost statistics asked for (pushed rows land only once every rank has
+  // arrived, so a late rank's delay would show in every element instead of its own: docs/normal-mode.md).
   // Quantizing senders quantize each token once and push its codes and scales; a (data, scales) input pushes
-  // its data rows and gathers each token's scales once.
-  // A cached dispatch pushes when the fresh one did: its handle says where every copy goes.
-  const bool can_push = arena && !inter && (!in.cached || hd->pushed) && !in.cost_stats && !share_x &&
-                        (!out.recv_x.data.defined() || arena_offset(out.recv_x.data) >= 0) &&
-                        (!out.recv_x.scales || arena_offset(*out.recv_x.scales) >= 0);
-  bool push = false;  // decided once the headers are in
-  auto stage = [&](int64_t w) {
-    uint8_t* half = my_area + static_cast<size_t>(w % 2) * geo.half_bytes;
-    const int64_t t0 = w * W, t1 = std::min(in.num_tokens, t0 + W);
-    if (in.counters && !push)
-      in.counters->add(share_x ? in.counters->dispatch_in_place_tokens : in.counters->dispatch_staged_tokens,
-                       t1 - t0);
-    for (int64_t t = t0; t < t1; ++t) {
-      uint8_t* dst = half + (t - t0) * geo.row_stride;
-      const uint8_t* x = in.x + t * in.x_row_bytes;
-      // With share_x only the routing is staged: receivers read the row in our dispatch-input area; pushed
-      // rows are written into the receivers' outputs instead.
-      const bool rows = !share_x && !push;
-      if (rows && f.quantize) {
-        quant::quantize_row(*f.quantize, in.x_dtype, x, in.hidden, dst, dst + f.data_row_bytes);
-      } else if (rows) {
-        // Plain stores into a cache-sized window: the receivers read it from the shared cache.
-        copy_row(dst, x, f.data_row_bytes, true, geo.cache_resident);
-        if (in.scales)
-          gather_scales(dst + f.data_row_bytes, in.scales, t, in.scale_stride0, in.scale_stride1,
-                        f.scale_cols, dtype_size(f.scale_dtype));
-      }
-      if (meta) {
-        uint8_t* m = half + W * geo.row_stride + (t - t0) * geo.meta_stride;
-        if (K > 0) {
-          std::memcpy(m, &my_ids[t * K], sizeof(int32_t) * K);
-          std::memcpy(m + 4 * K, &my_weights[t * K], sizeof(float) * K);
-        } else {
-          std::memcpy(m, &my_in_rank[t * R], R);
-        }
+  // its data rows and gathers each token's scales once. A cached dispatch pushes when the fresh one did: its
+  // handle says where every copy goes.
+  can_push_ = arena_ && !inter_ && (!in_.cached || hd_->pushed) && !in_.cost_stats && !share_x_ &&
+              (!out_.recv_x.data.defined() || arena_offset(out_.recv_x.data) >= 0) &&
+              (!out_.recv_x.scales || arena_offset(*out_.recv_x.scales) >= 0);
+}
+
+void DispatchCall::stage(int64_t w) {
+  uint8_t* half = my_area_ + static_cast<size_t>(w % 2) * geo_.half_bytes;
+  const int64_t t0 = w * W_, t1 = std::min(in_.num_tokens, t0 + W_);
+  if (in_.counters && !push_)
+    in_.counters->add(
+        share_x_ ? in_.counters->dispatch_in_place_tokens : in_.counters->dispatch_staged_tokens, t1 - t0);
+  // With share_x only the routing is staged: receivers read the row in our dispatch-input area; pushed rows
+  // are written into the receivers' outputs instead.
+  const bool rows = !share_x_ && !push_;
+  for (int64_t t = t0; t < t1; ++t) {
+    uint8_t* dst = half + (t - t0) * geo_.row_stride;
+    const uint8_t* x = in_.x + t * in_.x_row_bytes;
+    if (rows && f_.quantize) {
+      quant::quantize_row(*f_.quantize, in_.x_dtype, x, in_.hidden, dst, dst + f_.data_row_bytes);
+    } else if (rows) {
+      // Plain stores into a cache-sized window: the receivers read it from the shared cache.
+      copy_row(dst, x, f_.data_row_bytes, true, geo_.cache_resident);
+      if (in_.scales)
+        gather_scales(dst + f_.data_row_bytes, in_.scales, t, in_.scale_stride0, in_.scale_stride1,
+                      f_.scale_cols, dtype_size(f_.scale_dtype));
+    }
+    if (meta_) {
+      uint8_t* m = half + W_ * geo_.row_stride + (t - t0) * geo_.meta_stride;
+      if (K_ > 0) {
+        std::memcpy(m, &my_ids_[t * K_], sizeof(int32_t) * K_);
+        std::memcpy(m + 4 * K_, &my_weights_[t * K_], sizeof(float) * K_);
+      } else {
+        std::memcpy(m, &my_in_rank_[t * R_], R_);
       }
     }
-  };
-
-  int64_t staged = 0;
-  const uint64_t seq = ctx.seq();
-  auto publish_staged = [&] {
-    ++staged;
-    ctx.control(me)->stage_ready.store(pack(ctx.seq(), staged), std::memory_order_seq_cst);
-  };
-
-  // Internode: the tokens each other node needs (ascending) go there as compact windows; as proxy of our
-  // rail peers we forward our node's acknowledgements.
-  std::optional<WindowSender> sender;
-  std::optional<AckForwarder> acks;
-  if (inter) {
-    const uint8_t* in_rank = in.cached ? hd->in_rank.data() : my_in_rank;
-    const Topology& topo = inter->topo;
-    std::vector<std::vector<int32_t>> node_tokens(M);
-    for (int64_t t = 0; t < in.num_tokens; ++t)
-      for (int n = 0; n < M; ++n) {
-        if (n == my_node) continue;
-        for (int p : topo.node_ranks[n])
-          if (in_rank[t * R + p]) {
-            node_tokens[n].push_back(static_cast<int32_t>(t));
-            break;
-          }
-      }
-    sender.emplace(ctx, my_area, geo, lane_half, net_meta, in.num_tokens, row_bytes, std::move(node_tokens));
-    acks.emplace(ctx);
   }
-  auto send_staged = [&](bool& progressed) { sender->send_staged(staged, progressed); };
-  // 1. Header (and counts, for a fresh dispatch).
-  HeaderData& h = ctx.begin_header(in.cached ? OpKind::cached_dispatch : OpKind::dispatch);
-  h.order = static_cast<uint32_t>(in.order);
+}
+
+void DispatchCall::publish_staged() {
+  ++staged_;
+  ctx_.control(me_)->stage_ready.store(pack(ctx_.seq(), staged_), std::memory_order_seq_cst);
+}
+
+// Internode: the tokens each other node needs (ascending) go there as compact windows; as proxy of our rail
+// peers we forward our node's acknowledgements.
+void DispatchCall::start_internode() {
+  const uint8_t* in_rank = in_.cached ? hd_->in_rank.data() : my_in_rank_;
+  const Topology& topo = inter_->topo;
+  std::vector<std::vector<int32_t>> node_tokens(M_);
+  for (int64_t t = 0; t < in_.num_tokens; ++t)
+    for (int n = 0; n < M_; ++n) {
+      if (n == my_node_) continue;
+      for (int p : topo.node_ranks[n])
+        if (in_rank[t * R_ + p]) {
+          node_tokens[n].push_back(static_cast<int32_t>(t));
+          break;
+        }
+    }
+  sender_.emplace(ctx_, my_area_, geo_, lane_half_, net_meta_, in_.num_tokens, row_bytes_,
+                  std::move(node_tokens));
+  acks_.emplace(ctx_);
+}
+
+void DispatchCall::fill_header() {
+  HeaderData& h = ctx_.begin_header(in_.cached ? OpKind::cached_dispatch : OpKind::dispatch);
+  h.order = static_cast<uint32_t>(in_.order);
   h.flags =
-      (has_topk ? kHasTopk | kHasWeights : 0) | (!has_topk ? kHasInRank : 0) | (can_push ? kPushRows : 0);
-  h.num_experts = in.num_experts;
-  h.num_topk = K;
-  h.dtype = static_cast<int32_t>(in.format.data_dtype);
-  h.quant_mode = in.format.plain ? -1 : static_cast<int32_t>(in.format.mode);
-  h.hidden = in.hidden;
-  h.row_bytes = static_cast<int64_t>(in.format.data_row_bytes + in.format.scale_row_bytes);
-  h.num_tokens = in.num_tokens;
-  h.expert_alignment = in.expert_alignment;
-  h.num_worst_tokens = in.num_worst_tokens;
-  h.handle_id = in.cached ? hd->seq : 0;
-  h.input_offset = share_x ? in.shared_offset : -1;
-  std::copy(std::begin(in.chunks), std::end(in.chunks), h.chunks);
-  if (!in.cached) {
-    h.num_counts = in.num_experts + R;
-    int32_t* c = ctx.counts(me);
-    std::copy(in.pairs_per_expert.begin(), in.pairs_per_expert.end(), c);
-    std::copy(in.tokens_per_rank.begin(), in.tokens_per_rank.end(), c + in.num_experts);
+      (has_topk_ ? kHasTopk | kHasWeights : 0) | (!has_topk_ ? kHasInRank : 0) | (can_push_ ? kPushRows : 0);
+  h.num_experts = in_.num_experts;
+  h.num_topk = K_;
+  h.dtype = static_cast<int32_t>(f_.data_dtype);
+  h.quant_mode = f_.plain ? -1 : static_cast<int32_t>(f_.mode);
+  h.hidden = in_.hidden;
+  h.row_bytes = static_cast<int64_t>(row_bytes_);
+  h.num_tokens = in_.num_tokens;
+  h.expert_alignment = in_.expert_alignment;
+  h.num_worst_tokens = in_.num_worst_tokens;
+  h.handle_id = in_.cached ? hd_->seq : 0;
+  h.input_offset = share_x_ ? in_.shared_offset : -1;
+  std::copy(std::begin(in_.chunks), std::end(in_.chunks), h.chunks);
+  if (!in_.cached) {
+    h.num_counts = in_.num_experts + R_;
+    int32_t* c = ctx_.counts(me_);
+    std::copy(in_.pairs_per_expert.begin(), in_.pairs_per_expert.end(), c);
+    std::copy(in_.tokens_per_rank.begin(), in_.tokens_per_rank.end(), c + in_.num_experts);
   }
-  if (inter) {  // the proxies learn from the counts which of their node's ranks pull our rows (cached too)
-    const std::vector<int32_t>& tpr = in.cached ? hd->tokens_per_rank : in.tokens_per_rank;
-    h.num_counts = in.num_experts + R;
-    int32_t* c = ctx.counts(me);
-    if (in.cached) std::fill(c, c + in.num_experts, 0);
-    std::copy(tpr.begin(), tpr.end(), c + in.num_experts);
+  if (inter_) {  // the proxies learn from the counts which of their node's ranks pull our rows (cached too)
+    const std::vector<int32_t>& tpr = in_.cached ? hd_->tokens_per_rank : in_.tokens_per_rank;
+    h.num_counts = in_.num_experts + R_;
+    int32_t* c = ctx_.counts(me_);
+    if (in_.cached) std::fill(c, c + in_.num_experts, 0);
+    std::copy(tpr.begin(), tpr.end(), c + in_.num_experts);
   }
-  ctx.publish_header();
+}
+
+void DispatchCall::exchange_headers() {
+  if (inter_) start_internode();
+  fill_header();
+  ctx_.publish_header();
   // (A rank that may push stages nothing yet: its windows' geometry depends on whether every rank pushes.)
-  while (!can_push && staged < std::min<int64_t>(my_nwin, 2)) {
-    stage(staged);
+  while (!can_push_ && staged_ < std::min<int64_t>(my_nwin_, 2)) {
+    stage(staged_);
     publish_staged();
   }
-  if (inter)
-    ctx.exchange_headers(send_staged);
+  if (inter_)
+    ctx_.exchange_headers([&](bool& progressed) { sender_->send_staged(staged_, progressed); });
   else
-    ctx.exchange_headers();
-  check_headers_match(ctx);
-  push = true;
-  for (int r = 0; r < R; ++r) push = push && (ctx.header(r)->flags & kPushRows);
-  if (push) {  // the windows carry only the routing
-    geo = window_geometry(ctx, 0, meta, lane_half, net_meta);
-    W = geo.window;
-    my_nwin = num_windows(in.num_tokens, W);
+    ctx_.exchange_headers();
+  check_headers_match(ctx_);
+  push_ = true;
+  for (int r = 0; r < R_; ++r) push_ = push_ && (ctx_.header(r)->flags & kPushRows);
+  if (push_) {  // the windows carry only the routing
+    geo_ = window_geometry(ctx_, 0, meta_, lane_half_, net_meta_);
+    W_ = geo_.window;
+    my_nwin_ = num_windows(in_.num_tokens, W_);
   }
+  t_headers_ = Clock::now();
+  tokens_of_.resize(R_);
+  for (int s = 0; s < R_; ++s) tokens_of_[s] = ctx_.header(s)->num_tokens;
+}
 
-  const auto t_headers = Clock::now();
-  std::vector<int64_t> tokens_of(R);
-  for (int s = 0; s < R; ++s) tokens_of[s] = ctx.header(s)->num_tokens;
-
-  // 2. The receive plan: exact rows of every receiver, known on every rank.
-  const int L = in.num_experts / R;
-  routing::ExpertMap map{in.num_experts, R, L};
-  routing::ReceivePlan plan;
-  std::vector<int64_t> rows_matrix;  // every receiver's rows per source (the handle keeps it)
-  std::vector<std::vector<int64_t>> push_start(push ? R : 0);  // receiver d's first row of each of our runs
-  int64_t host_rows = in.cached ? hd->host_recv_rows : 0;      // rows all receivers get together
-  if (!in.cached) {
-    std::vector<const int32_t*> pairs(R), toks(R);
-    for (int s = 0; s < R; ++s) {
-      pairs[s] = ctx.counts(s);
-      toks[s] = ctx.counts(s) + in.num_experts;
-    }
-    rows_matrix.assign(static_cast<size_t>(R) * R, 0);
-    for (int d = 0; d < R; ++d) {
-      routing::ReceivePlan p = routing::plan_receive(d, in.order, map, in.expert_alignment, pairs, toks);
-      for (int s = 0; s < R; ++s) rows_matrix[static_cast<size_t>(s) * R + d] = p.rows_per_source[s];
-      int64_t worst = ctx.header(d)->num_worst_tokens;
-      if (worst > 0 && p.num_recv_rows > worst)
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: receiving rank ", d,
-                     " gets N = ", p.num_recv_rows, " rows but its num_worst_tokens = ", worst,
-                     "; nothing was sent (rows are never truncated)");
-      check_receive_capacity(ctx, d, p.num_recv_rows, f, K, in.idx_dtype);  // every rank, every receiver
-      if (push) push_start[d] = p.start;
-      host_rows += p.num_recv_rows;
-      if (d == me) plan = std::move(p);
-    }
+void DispatchCall::plan_receives() {
+  L_ = in_.num_experts / R_;
+  map_ = routing::ExpertMap{in_.num_experts, R_, L_};
+  push_start_.resize(push_ ? R_ : 0);
+  host_rows_ = in_.cached ? hd_->host_recv_rows : 0;
+  if (in_.cached) return;
+  std::vector<const int32_t*> pairs(R_), toks(R_);
+  for (int s = 0; s < R_; ++s) {
+    pairs[s] = ctx_.counts(s);
+    toks[s] = ctx_.counts(s) + in_.num_experts;
   }
+  rows_matrix_.assign(static_cast<size_t>(R_) * R_, 0);
+  for (int d = 0; d < R_; ++d) {
+    routing::ReceivePlan p = routing::plan_receive(d, in_.order, map_, in_.expert_alignment, pairs, toks);
+    for (int s = 0; s < R_; ++s) rows_matrix_[static_cast<size_t>(s) * R_ + d] = p.rows_per_source[s];
+    int64_t worst = ctx_.header(d)->num_worst_tokens;
+    if (worst > 0 && p.num_recv_rows > worst)
+      EPCOMM_THROW(InvalidUsage, ctx_.prefix(), "capacity: receiving rank ", d, " gets N = ", p.num_recv_rows,
+                   " rows but its num_worst_tokens = ", worst,
+                   "; nothing was sent (rows are never truncated)");
+    check_receive_capacity(ctx_, d, p.num_recv_rows, f_, K_, in_.idx_dtype);  // every rank, every receiver
+    if (push_) push_start_[d] = p.start;
+    host_rows_ += p.num_recv_rows;
+    if (d == me_) plan_ = std::move(p);
+  }
+}
 
-  // 3. Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).
-  if (geo.window < 1 && inter && dispatch_geometry(ctx.layout().data_bytes, row_bytes, meta).window >= 1)
-    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_rdma_bytes = ", inter->lane.bytes * M,
-                 " (one lane of ", inter->lane.bytes, " bytes per node) cannot hold one forwarded token of ",
-                 row_bytes, " bytes (+", meta, " bytes of routing); the minimum for this call is ",
-                 min_rdma_bytes_for(ctx, geo, net_meta));
-  if (row_window < 1)
-    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: num_nvl_bytes = ", ctx.layout().total,
-                 " cannot hold one staged token of ", row_bytes, " bytes (+", meta,
+// Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).
+void DispatchCall::check_windows() const {
+  if (geo_.window < 1 && inter_ && dispatch_geometry(ctx_.layout().data_bytes, row_bytes_, meta_).window >= 1)
+    EPCOMM_THROW(InvalidUsage, ctx_.prefix(), "capacity: num_rdma_bytes = ", inter_->lane.bytes * M_,
+                 " (one lane of ", inter_->lane.bytes, " bytes per node) cannot hold one forwarded token of ",
+                 row_bytes_, " bytes (+", meta_, " bytes of routing); the minimum for this call is ",
+                 min_rdma_bytes_for(ctx_, geo_, net_meta_));
+  if (row_window_ < 1)
+    EPCOMM_THROW(InvalidUsage, ctx_.prefix(), "capacity: num_nvl_bytes = ", ctx_.layout().total,
+                 " cannot hold one staged token of ", row_bytes_, " bytes (+", meta_,
                  " bytes of routing); the minimum for this call is ",
-                 control_bytes(R) + dispatch_min_data_bytes(row_bytes, meta));
+                 control_bytes(R_) + dispatch_min_data_bytes(row_bytes_, meta_));
+}
 
-  // 4. Outputs.
-  const int64_t N = in.cached ? hd->num_recv_rows : plan.num_recv_rows;
-  const int64_t rows = in.cached ? hd->num_rows : (in.num_worst_tokens > 0 ? in.num_worst_tokens : N);
-  Outputs o;
-  // Outputs whose shape is known locally (cached and worst-case dispatch) were allocated by the caller.
-  if (!out.recv_x.data.defined()) {
-    out.recv_x.data = in.allocator->allocate(f.data_dtype, {rows, f.data_cols});
-    if (f.scale_row_bytes) {
-      Shape ss = f.scale_shape == RowFormat::ScaleShape::vec   ? Shape{rows}
-                 : f.scale_shape == RowFormat::ScaleShape::mat ? Shape{rows, f.scale_cols}
-                                                               : Shape{rows * f.scale_cols};
-      out.recv_x.scales = in.allocator->allocate(f.scale_dtype, ss);
-    }
-    if (!in.cached && has_topk) {
-      out.recv_topk_idx = in.allocator->allocate(in.idx_dtype, {rows, K});
-      out.recv_topk_weights = in.allocator->allocate(DType::f32, {rows, K});
-    }
+// Outputs whose shape is known locally (cached and worst-case dispatch) were allocated by the caller.
+void DispatchCall::allocate_outputs() {
+  if (out_.recv_x.data.defined()) return;
+  out_.recv_x.data = in_.allocator->allocate(f_.data_dtype, {rows_, f_.data_cols});
+  if (f_.scale_row_bytes) {
+    Shape ss = f_.scale_shape == RowFormat::ScaleShape::vec   ? Shape{rows_}
+               : f_.scale_shape == RowFormat::ScaleShape::mat ? Shape{rows_, f_.scale_cols}
+                                                              : Shape{rows_ * f_.scale_cols};
+    out_.recv_x.scales = in_.allocator->allocate(f_.scale_dtype, ss);
   }
-  poison(out.recv_x.data, in.poison);
-  if (out.recv_x.scales) poison(*out.recv_x.scales, in.poison);
-  o.data = out.recv_x.data.data_as<uint8_t>();
-  o.data_row = f.data_row_bytes;
-  if (f.scale_row_bytes) {
-    o.scales = out.recv_x.scales->data_as<uint8_t>();
-    o.scale_row = f.scale_row_bytes;
+  if (!in_.cached && has_topk_) {
+    out_.recv_topk_idx = in_.allocator->allocate(in_.idx_dtype, {rows_, K_});
+    out_.recv_topk_weights = in_.allocator->allocate(DType::f32, {rows_, K_});
   }
-  o.K = K;
-  Handle::Impl* nh = out.handle.get();
-  if (!in.cached) {
-    if (has_topk) {
-      poison(*out.recv_topk_idx, in.poison);
-      poison(*out.recv_topk_weights, in.poison);
-      o.idx = out.recv_topk_idx->data();
-      o.idx64 = in.idx_dtype == DType::i64;
-      o.weights = out.recv_topk_weights->data_as<float>();
-    }
-    if (!nh->recv_src_rank.defined()) {
-      nh->recv_src_rank = in.allocator->allocate(DType::i32, {rows});
-      nh->recv_src_token = in.allocator->allocate(DType::i32, {rows});
-      nh->recv_src_slot = in.allocator->allocate(DType::i32, {rows});
-    }
-    o.src_rank = nh->recv_src_rank.data_as<int32_t>();
-    o.src_token = nh->recv_src_token.data_as<int32_t>();
-    o.src_slot = nh->recv_src_slot.data_as<int32_t>();
-    if (in.order == ReceiveOrder::expert_major)
-      for (int j = 0; j < L; ++j) o.fill_empty(plan.pad_begin[j], plan.block_end[j]);
-    o.fill_empty(N, rows);
-    out.list = in.num_worst_tokens > 0 ? std::vector<int64_t>{} : plan.list;
-  } else {
-    const int32_t* src = hd->recv_src_rank.data_as<int32_t>();
-    for (int64_t r = 0; r < rows; ++r)
-      if (src[r] < 0) o.fill_empty(r, r + 1);
-  }
-  const std::vector<int64_t>& rows_from = in.cached ? hd->rows_per_source : plan.rows_per_source;
-  QuarantineOnFailure quarantine;
-  if (push) {  // our recv_x is ready (PAD rows and poison written): the senders may write into it now
-    const int64_t off = arena_offset(out.recv_x.data);
-    EPCOMM_CHECK(
-        off >= 0, ctx.prefix(),
-        "allocator: Allocator::adopt returned memory outside this rank's "
-        "output arena for recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
-    const int64_t scale_off = out.recv_x.scales ? arena_offset(*out.recv_x.scales) : -1;
-    EPCOMM_CHECK(
-        !f.scale_row_bytes || scale_off >= 0, ctx.prefix(),
-        "allocator: Allocator::adopt returned memory outside this rank's output arena for the scales of "
-        "recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
-    o.pushed = true;
-    quarantine.add(out.recv_x.data);
-    if (out.recv_x.scales) quarantine.add(*out.recv_x.scales);
-    ctx.control(me)->out_offset = off;
-    ctx.control(me)->out_scale_offset = scale_off;
-    ctx.control(me)->out_ready.store(pack(seq, 1), std::memory_order_release);
-    for (int s = 0; s < R; ++s)
-      if (s != me && rows_from[s] > 0) ctx.notify(s);
-  }
-  if (!in.cached) {
-    // The handle's shape fields are final before on_shapes(); the row lists fill in during the data phase.
-    nh->seq = ctx.seq();
-    nh->order = in.order;
-    nh->num_ranks = R;
-    nh->num_experts = in.num_experts;
-    nh->num_topk = K;
-    nh->num_local = L;
-    nh->num_tokens = in.num_tokens;
-    nh->num_recv_rows = N;
-    nh->host_recv_rows = host_rows;
-    nh->num_rows = rows;
-    nh->expert_alignment = in.expert_alignment;
-    nh->num_worst_tokens = in.num_worst_tokens;
-    nh->hidden = in.hidden;
-    nh->has_topk = has_topk;
-    nh->topk_ids = std::move(in.ids);
-    nh->topk_weights = std::move(in.weights);
-    nh->in_rank = std::move(in.in_rank);
-    nh->tokens_per_rank = in.tokens_per_rank;
-    nh->list = plan.list;
-    nh->cnt = plan.cnt;
-    nh->rows_per_source = plan.rows_per_source;
-    nh->rows_matrix = std::move(rows_matrix);
-  }
-  on_shapes();
+}
 
-  // 5. Rounds: stage own windows, pull every source's windows.
-  const std::vector<int32_t>& my_dest_tokens = in.cached ? hd->tokens_per_rank : in.tokens_per_rank;
-  std::vector<int64_t> nwin(R), pulled(R, 0), done_us(R, -1);
-  for (int s = 0; s < R; ++s) {
-    nwin[s] = rows_from[s] > 0 ? num_windows(tokens_of[s], W) : 0;
-    if (nwin[s] == 0)
-      done_us[s] = std::chrono::duration_cast<std::chrono::microseconds>(t_headers - t_start).count();
+// Points o_ at the outputs (poisoned first when asked) and writes their PAD and tail rows.
+void DispatchCall::bind_outputs() {
+  poison(out_.recv_x.data, in_.poison);
+  if (out_.recv_x.scales) poison(*out_.recv_x.scales, in_.poison);
+  o_.data = out_.recv_x.data.data_as<uint8_t>();
+  o_.data_row = f_.data_row_bytes;
+  if (f_.scale_row_bytes) {
+    o_.scales = out_.recv_x.scales->data_as<uint8_t>();
+    o_.scale_row = f_.scale_row_bytes;
   }
-
-  // Receive cursors (fresh): next row of (s, j) in expert_major or of s in rank_major.
-  std::vector<int64_t> cursor = plan.start;
-  std::vector<int64_t> src_fill;
-  if (!in.cached) {
-    nh->source_offsets.assign(R + 1, 0);
-    for (int s = 0; s < R; ++s) nh->source_offsets[s + 1] = nh->source_offsets[s] + rows_from[s];
-    nh->source_rows.resize(nh->source_offsets[R]);
-    src_fill.assign(nh->source_offsets.begin(), nh->source_offsets.end() - 1);
+  o_.K = K_;
+  if (in_.cached) {
+    const int32_t* src = hd_->recv_src_rank.data_as<int32_t>();
+    for (int64_t r = 0; r < rows_; ++r)
+      if (src[r] < 0) o_.fill_empty(r, r + 1);
+    return;
   }
-  std::vector<int64_t> cached_pos(R);
-  if (in.cached)
-    for (int s = 0; s < R; ++s) cached_pos[s] = hd->source_offsets[s];
+  if (has_topk_) {
+    poison(*out_.recv_topk_idx, in_.poison);
+    poison(*out_.recv_topk_weights, in_.poison);
+    o_.idx = out_.recv_topk_idx->data();
+    o_.idx64 = in_.idx_dtype == DType::i64;
+    o_.weights = out_.recv_topk_weights->data_as<float>();
+  }
+  if (!nh_->recv_src_rank.defined()) {
+    nh_->recv_src_rank = in_.allocator->allocate(DType::i32, {rows_});
+    nh_->recv_src_token = in_.allocator->allocate(DType::i32, {rows_});
+    nh_->recv_src_slot = in_.allocator->allocate(DType::i32, {rows_});
+  }
+  o_.src_rank = nh_->recv_src_rank.data_as<int32_t>();
+  o_.src_token = nh_->recv_src_token.data_as<int32_t>();
+  o_.src_slot = nh_->recv_src_slot.data_as<int32_t>();
+  if (in_.order == ReceiveOrder::expert_major)
+    for (int j = 0; j < L_; ++j) o_.fill_empty(plan_.pad_begin[j], plan_.block_end[j]);
+  o_.fill_empty(N_, rows_);
+  out_.list = in_.num_worst_tokens > 0 ? std::vector<int64_t>{} : plan_.list;
+}
 
-  // Sources whose x lies in their shared dispatch-input area: rows are read there, in place.
-  std::vector<const uint8_t*> shared_x(R, nullptr);
-  for (int s = 0; s < R; ++s) shared_x[s] = ctx.shared_input(s);
+// Our recv_x is ready (PAD rows and poison written): the senders may write into it now.
+void DispatchCall::publish_recv_x() {
+  const int64_t off = arena_offset(out_.recv_x.data);
+  EPCOMM_CHECK(off >= 0, ctx_.prefix(),
+               "allocator: Allocator::adopt returned memory outside this rank's "
+               "output arena for recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
+  const int64_t scale_off = out_.recv_x.scales ? arena_offset(*out_.recv_x.scales) : -1;
+  EPCOMM_CHECK(
+      !f_.scale_row_bytes || scale_off >= 0, ctx_.prefix(),
+      "allocator: Allocator::adopt returned memory outside this rank's output arena for the scales of "
+      "recv_x; it must view the arena's bytes (or set num_output_arena_bytes = 0)");
+  o_.pushed = true;
+  quarantine_.add(out_.recv_x.data);
+  if (out_.recv_x.scales) quarantine_.add(*out_.recv_x.scales);
+  ctx_.control(me_)->out_offset = off;
+  ctx_.control(me_)->out_scale_offset = scale_off;
+  ctx_.control(me_)->out_ready.store(pack(seq_, 1), std::memory_order_release);
+  for (int s = 0; s < R_; ++s)
+    if (s != me_ && (*rows_from_)[s] > 0) ctx_.notify(s);
+}
 
-  // Push: once a receiver of our tokens has published its recv_x, we write each of its rows once, straight
-  // into its place there (the receivers' plans give the rows; the order matches their reading of our
-  // routing: ascending tokens, top-k slots in order), then fence and raise our cell in its segment. One pass
-  // over our tokens serves every receiver ready by then (one read of a token for all its rows); a receiver
-  // that comes later gets a pass of its own, so that a late rank does not hold up the others' rows (unless
-  // the ranks outnumber the cores: then we wait for all of them, below).
-  std::vector<char> pushed_to(R, 0);
-  int push_left = 0;  // receivers of our tokens not served yet
-  if (push) {
-    for (int d = 0; d < R; ++d) push_left += my_dest_tokens[d] > 0;
-    if (!in.cached) {
-      nh->send_rows.assign(static_cast<size_t>(in.num_tokens) * nh->copy_slots(), -1);
-      nh->pushed = true;
+// The handle's shape fields are final before on_shapes(); the row lists fill in during the data phase.
+void DispatchCall::fill_handle_shape() {
+  nh_->seq = ctx_.seq();
+  nh_->order = in_.order;
+  nh_->num_ranks = R_;
+  nh_->num_experts = in_.num_experts;
+  nh_->num_topk = K_;
+  nh_->num_local = L_;
+  nh_->num_tokens = in_.num_tokens;
+  nh_->num_recv_rows = N_;
+  nh_->host_recv_rows = host_rows_;
+  nh_->num_rows = rows_;
+  nh_->expert_alignment = in_.expert_alignment;
+  nh_->num_worst_tokens = in_.num_worst_tokens;
+  nh_->hidden = in_.hidden;
+  nh_->has_topk = has_topk_;
+  nh_->topk_ids = std::move(in_.ids);
+  nh_->topk_weights = std::move(in_.weights);
+  nh_->in_rank = std::move(in_.in_rank);
+  nh_->tokens_per_rank = in_.tokens_per_rank;
+  nh_->list = plan_.list;
+  nh_->cnt = plan_.cnt;
+  nh_->rows_per_source = plan_.rows_per_source;
+  nh_->rows_matrix = std::move(rows_matrix_);
+}
+
+void DispatchCall::set_up_outputs() {
+  N_ = in_.cached ? hd_->num_recv_rows : plan_.num_recv_rows;
+  rows_ = in_.cached ? hd_->num_rows : (in_.num_worst_tokens > 0 ? in_.num_worst_tokens : N_);
+  allocate_outputs();
+  bind_outputs();
+  rows_from_ = in_.cached ? &hd_->rows_per_source : &plan_.rows_per_source;
+  if (push_) publish_recv_x();
+  if (!in_.cached) fill_handle_shape();
+}
+
+void DispatchCall::set_up_rounds() {
+  my_dest_tokens_ = in_.cached ? &hd_->tokens_per_rank : &in_.tokens_per_rank;
+  nwin_.assign(R_, 0);
+  pulled_.assign(R_, 0);
+  done_us_.assign(R_, -1);
+  for (int s = 0; s < R_; ++s) {
+    nwin_[s] = (*rows_from_)[s] > 0 ? num_windows(tokens_of_[s], W_) : 0;
+    if (nwin_[s] == 0) done_us_[s] = elapsed_us(t_headers_);
+  }
+  cursor_ = plan_.start;
+  if (!in_.cached) {
+    nh_->source_offsets.assign(R_ + 1, 0);
+    for (int s = 0; s < R_; ++s) nh_->source_offsets[s + 1] = nh_->source_offsets[s] + (*rows_from_)[s];
+    nh_->source_rows.resize(nh_->source_offsets[R_]);
+    src_fill_.assign(nh_->source_offsets.begin(), nh_->source_offsets.end() - 1);
+  }
+  cached_pos_.assign(R_, 0);
+  if (in_.cached)
+    for (int s = 0; s < R_; ++s) cached_pos_[s] = hd_->source_offsets[s];
+  shared_x_.assign(R_, nullptr);
+  for (int s = 0; s < R_; ++s) shared_x_[s] = ctx_.shared_input(s);
+  pushed_to_.assign(R_, 0);
+  if (push_) {
+    for (int d = 0; d < R_; ++d) push_left_ += (*my_dest_tokens_)[d] > 0;
+    if (!in_.cached) {
+      nh_->send_rows.assign(static_cast<size_t>(in_.num_tokens) * nh_->copy_slots(), -1);
+      nh_->pushed = true;
     }
   }
-  auto out_ready = [&](int d) {
-    return ctx.control(d)->out_ready.load(std::memory_order_acquire) >= pack(seq, 1);
-  };
-  auto pushed_by = [&](int s) {
-    return ctx.cell(me, s)->pushed.load(std::memory_order_acquire) >= pack(seq, 1);
-  };
-  const bool oversubscribed = tp.oversubscribed();
-  std::vector<char> serve(R, 0);  // receivers the next pass serves (refilled at every poll, not reallocated)
-  auto push_rows = [&](const std::vector<char>& now) {
-    std::vector<uint8_t*> dest(R, nullptr), dest_scales(R, nullptr);
-    std::vector<int64_t> next(R, 0);              // rank_major: receiver d's next row for our tokens
-    std::vector<std::vector<int64_t>> next_e(R);  // expert_major: per local expert of d
-    const bool by_expert = in.order == ReceiveOrder::expert_major && K > 0;
-    for (int d = 0; d < R; ++d) {
+  oversubscribed_ = tp_.oversubscribed();
+  serve_.assign(R_, 0);
+}
+
+// Where each of our tokens' rows goes on the receivers in `now`: a cached dispatch reads it in its handle,
+// a fresh one follows the receivers' plans (the order matches their reading of our routing: ascending
+// tokens, top-k slots in order) and records it in its handle.
+void DispatchCall::plan_push(const std::vector<char>& now, PushPlan& plan) {
+  std::vector<uint8_t*> dest(R_, nullptr), dest_scales(R_, nullptr);
+  std::vector<int64_t> next(R_, 0);              // rank_major: receiver d's next row for our tokens
+  std::vector<std::vector<int64_t>> next_e(R_);  // expert_major: per local expert of d
+  const bool by_expert = in_.order == ReceiveOrder::expert_major && K_ > 0;
+  for (int d = 0; d < R_; ++d) {
+    if (!now[d]) continue;
+    dest[d] = tp_.arena(d) + ctx_.control(d)->out_offset;
+    if (f_.scale_row_bytes) dest_scales[d] = tp_.arena(d) + ctx_.control(d)->out_scale_offset;
+    if (in_.cached) continue;  // the handle's send_rows give the rows
+    if (by_expert)
+      next_e[d].assign(push_start_[d].begin() + static_cast<ptrdiff_t>(me_) * L_,
+                       push_start_[d].begin() + static_cast<ptrdiff_t>(me_ + 1) * L_);
+    else
+      next[d] = push_start_[d][me_];
+  }
+  int32_t* send_rows = in_.cached ? nullptr : nh_->send_rows.data();
+  const int32_t* sent_to = in_.cached ? hd_->send_rows.data() : nullptr;
+  const size_t bytes = f_.data_row_bytes, scale_bytes = f_.scale_row_bytes;
+  for (int64_t t = 0; t < in_.num_tokens; ++t) {
+    auto put = [&](int d, int64_t row) {
+      plan.add(t, dest[d] + row * bytes, scale_bytes ? dest_scales[d] + row * scale_bytes : nullptr);
+    };
+    if (in_.cached) {  // the same rows as the fresh dispatch
+      hd_->for_each_copy(t, [&](int slot, int holder) {
+        if (now[holder]) put(holder, sent_to[t * plan.slots + slot]);
+      });
+      continue;
+    }
+    for (int d = 0; d < R_; ++d) {
       if (!now[d]) continue;
-      dest[d] = tp.arena(d) + ctx.control(d)->out_offset;
-      if (f.scale_row_bytes) dest_scales[d] = tp.arena(d) + ctx.control(d)->out_scale_offset;
-      if (in.cached) continue;  // the handle's send_rows give the rows
-      if (by_expert)
-        next_e[d].assign(push_start[d].begin() + static_cast<ptrdiff_t>(me) * L,
-                         push_start[d].begin() + static_cast<ptrdiff_t>(me + 1) * L);
-      else
-        next[d] = push_start[d][me];
-    }
-    // A fresh dispatch records in its handle where every copy went; a cached one reads it there.
-    int32_t* send_rows = in.cached ? nullptr : nh->send_rows.data();
-    const int32_t* sent_to = in.cached ? hd->send_rows.data() : nullptr;
-    PushPlan plan((in.cached ? *hd : *nh).copy_slots(), in.num_tokens);  // entries per token of send_rows
-    const size_t bytes = f.data_row_bytes, scale_bytes = f.scale_row_bytes;
-    for (int64_t t = 0; t < in.num_tokens; ++t) {
-      auto put = [&](int d, int64_t row) {
-        plan.add(t, dest[d] + row * bytes, scale_bytes ? dest_scales[d] + row * scale_bytes : nullptr);
+      auto write = [&](int64_t row, int k) {
+        put(d, row);
+        send_rows[t * plan.slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
       };
-      if (in.cached) {  // the same rows as the fresh dispatch
-        hd->for_each_copy(t, [&](int slot, int holder) {
-          if (now[holder]) put(holder, sent_to[t * plan.slots + slot]);
-        });
-        continue;
-      }
-      for (int d = 0; d < R; ++d) {
-        if (!now[d]) continue;
-        auto write = [&](int64_t row, int k) {
-          put(d, row);
-          send_rows[t * plan.slots + (by_expert ? k : d)] = static_cast<int32_t>(row);
-        };
-        if (K == 0) {
-          if (my_in_rank[t * R + d]) write(next[d]++, -1);
-        } else {
-          for_each_row(map, by_expert, &my_ids[t * K], K, d, by_expert ? next_e[d].data() : &next[d], write);
-        }
+      if (K_ == 0) {
+        if (my_in_rank_[t * R_ + d]) write(next[d]++, -1);
+      } else {
+        for_each_row(map_, by_expert, &my_ids_[t * K_], K_, d, by_expert ? next_e[d].data() : &next[d],
+                     write);
       }
     }
-    // Few rows in all: plain stores, so that the receivers find them in the shared cache.
-    write_pushed_rows(in, f, plan,
-                      static_cast<size_t>(host_rows) * (bytes + scale_bytes) <= cache_resident_push_bytes());
-    store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
-    for (int d = 0; d < R; ++d)
-      if (now[d]) {
-        pushed_to[d] = 1;
-        --push_left;
-        ctx.signal(ctx.cell(d, me)->pushed, pack(seq, 1), d);
-      }
-  };
+  }
+}
 
-  auto pull = [&](int s, int64_t w) {
-    const int64_t t0 = w * W, t1 = std::min(tokens_of[s], t0 + W);
-    const StagedWindow win = StagedWindow::of(ctx, s, w, geo, lane_half, net_meta, tokens_of[s]);
-    const uint8_t* sx = shared_x[s];
-    auto payload_of = [&](int64_t e) { return sx ? sx + win.token(e) * row_bytes : win.payload(e); };
-    if (in.cached) {
-      const int32_t* src_tok = hd->recv_src_token.data_as<int32_t>();
-      int64_t& pos = cached_pos[s];
-      const int64_t end = hd->source_offsets[s + 1];
-      int64_t e = 0;
-      while (pos < end) {
-        int32_t row = hd->source_rows[pos];
-        if (src_tok[row] >= t1) break;
-        while (e < win.count && win.token(e) < src_tok[row]) ++e;  // ascending; holds every token we need
-        EPCOMM_CHECK_INTERNAL(e < win.count && win.token(e) == src_tok[row], ctx.prefix(), "internal: token ",
-                              src_tok[row], " of rank ", s, " missing from its forwarded window ", w);
-        o.copy_payload(row, payload_of(e));
-        ++pos;
-      }
-      return;
+// Push: once a receiver of our tokens has published its recv_x, we write each of its rows once, straight into
+// its place there, then fence and raise our cell in its segment. One pass over our tokens serves every
+// receiver ready by then (one read of a token for all its rows); a receiver that comes later gets a pass of
+// its own, so that a late rank does not hold up the others' rows (unless the ranks outnumber the cores:
+// then we wait for all of them, serve_receivers).
+void DispatchCall::push_rows(const std::vector<char>& now) {
+  PushPlan plan((in_.cached ? *hd_ : *nh_).copy_slots(), in_.num_tokens);  // entries per token of send_rows
+  plan_push(now, plan);
+  // Few rows in all: plain stores, so that the receivers find them in the shared cache.
+  write_pushed_rows(in_, f_, plan,
+                    static_cast<size_t>(host_rows_) * row_bytes_ <= cache_resident_push_bytes());
+  store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
+  for (int d = 0; d < R_; ++d)
+    if (now[d]) {
+      pushed_to_[d] = 1;
+      --push_left_;
+      ctx_.signal(ctx_.cell(d, me_)->pushed, pack(seq_, 1), d);
     }
-    for (int64_t e = 0; e < win.count; ++e) {
-      const int64_t t = win.token(e);
-      const uint8_t* payload = payload_of(e);
-      const uint8_t* m = win.meta(e);
-      if (K == 0) {  // rank_major without top-k
-        if (!m[me]) continue;
-        int64_t row = cursor[s]++;
-        o.copy_payload(row, payload);
-        o.src_rank[row] = s;
-        o.src_token[row] = static_cast<int32_t>(t);
-        o.src_slot[row] = -1;
-        nh->source_rows[src_fill[s]++] = static_cast<int32_t>(row);
-        continue;
-      }
-      int32_t ids[64];
-      float ws[64];
-      const int32_t* idp = reinterpret_cast<const int32_t*>(m);
-      const float* wp = reinterpret_cast<const float*>(m + 4 * K);
-      if (K <= 64) {
-        std::memcpy(ids, idp, 4 * K);
-        std::memcpy(ws, wp, 4 * K);
-        idp = ids;
-        wp = ws;
-      }
-      const bool by_expert = in.order == ReceiveOrder::expert_major;
-      int64_t* next = &cursor[by_expert ? static_cast<size_t>(s) * L : static_cast<size_t>(s)];
-      for_each_row(map, by_expert, idp, K, me, next, [&](int64_t row, int k) {
-        o.copy_payload(row, payload);
-        // expert_major: the row of slot k (its local expert there, -1 and +0 elsewhere); rank_major: the
-        // token's row (every slot whose expert is here).
-        o.set_topk(row, idp, wp, static_cast<int64_t>(me) * L, L, by_expert ? k : -1);
-        o.src_rank[row] = s;
-        o.src_token[row] = static_cast<int32_t>(t);
-        o.src_slot[row] = k;
-        nh->source_rows[src_fill[s]++] = static_cast<int32_t>(row);
-      });
+}
+
+// A cached dispatch: the handle lists the rows of source s in its window's token range, in token order.
+void DispatchCall::pull_cached(int s, int64_t w, int64_t t1, const StagedWindow& win, const uint8_t* sx) {
+  const int32_t* src_tok = hd_->recv_src_token.data_as<int32_t>();
+  int64_t& pos = cached_pos_[s];
+  const int64_t end = hd_->source_offsets[s + 1];
+  int64_t e = 0;
+  while (pos < end) {
+    int32_t row = hd_->source_rows[pos];
+    if (src_tok[row] >= t1) break;
+    while (e < win.count && win.token(e) < src_tok[row]) ++e;  // ascending; holds every token we need
+    EPCOMM_CHECK_INTERNAL(e < win.count && win.token(e) == src_tok[row], ctx_.prefix(), "internal: token ",
+                          src_tok[row], " of rank ", s, " missing from its forwarded window ", w);
+    o_.copy_payload(row, sx ? sx + win.token(e) * row_bytes_ : win.payload(e));
+    ++pos;
+  }
+}
+
+// One staged entry of source s (token t, its payload and routing): the rows it occupies here.
+void DispatchCall::pull_entry(int s, int64_t t, const uint8_t* payload, const uint8_t* m) {
+  if (K_ == 0) {  // rank_major without top-k
+    if (!m[me_]) return;
+    int64_t row = cursor_[s]++;
+    o_.copy_payload(row, payload);
+    o_.src_rank[row] = s;
+    o_.src_token[row] = static_cast<int32_t>(t);
+    o_.src_slot[row] = -1;
+    nh_->source_rows[src_fill_[s]++] = static_cast<int32_t>(row);
+    return;
+  }
+  int32_t ids[64];
+  float ws[64];
+  const int32_t* idp = reinterpret_cast<const int32_t*>(m);
+  const float* wp = reinterpret_cast<const float*>(m + 4 * K_);
+  if (K_ <= 64) {
+    std::memcpy(ids, idp, 4 * K_);
+    std::memcpy(ws, wp, 4 * K_);
+    idp = ids;
+    wp = ws;
+  }
+  const bool by_expert = in_.order == ReceiveOrder::expert_major;
+  int64_t* next = &cursor_[by_expert ? static_cast<size_t>(s) * L_ : static_cast<size_t>(s)];
+  for_each_row(map_, by_expert, idp, K_, me_, next, [&](int64_t row, int k) {
+    o_.copy_payload(row, payload);
+    // expert_major: the row of slot k (its local expert there, -1 and +0 elsewhere); rank_major: the token's
+    // row (every slot whose expert is here).
+    o_.set_topk(row, idp, wp, static_cast<int64_t>(me_) * L_, L_, by_expert ? k : -1);
+    o_.src_rank[row] = s;
+    o_.src_token[row] = static_cast<int32_t>(t);
+    o_.src_slot[row] = k;
+    nh_->source_rows[src_fill_[s]++] = static_cast<int32_t>(row);
+  });
+}
+
+void DispatchCall::pull(int s, int64_t w) {
+  const int64_t t0 = w * W_, t1 = std::min(tokens_of_[s], t0 + W_);
+  const StagedWindow win = StagedWindow::of(ctx_, s, w, geo_, lane_half_, net_meta_, tokens_of_[s]);
+  const uint8_t* sx = shared_x_[s];
+  if (in_.cached) return pull_cached(s, w, t1, win, sx);
+  for (int64_t e = 0; e < win.count; ++e)
+    pull_entry(s, win.token(e), sx ? sx + win.token(e) * row_bytes_ : win.payload(e), win.meta(e));
+}
+
+bool DispatchCall::can_stage(int64_t w) const {
+  if (w < 2) return true;
+  for (int p = 0; p < R_; ++p)
+    if ((*my_dest_tokens_)[p] > 0 &&
+        ctx_.cell(me_, p)->ack.load(std::memory_order_acquire) < pack(seq_, w - 1))
+      return false;
+  return !inter_ || (sender_->all_sent(w - 1) && sender_->half_free(w));
+}
+
+// Every source's staged windows that are out; true once all are read and, pushing, its rows written.
+bool DispatchCall::pull_sources(bool& progressed) {
+  bool all = true;
+  for (int s : ctx_.arrival_order()) {
+    while (pulled_[s] < nwin_[s] &&
+           ctx_.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq_, pulled_[s] + 1)) {
+      pull(s, pulled_[s]);
+      ++pulled_[s];
+      ctx_.signal(ctx_.cell(s, me_)->ack, pack(seq_, pulled_[s]), s);
+      progressed = true;
     }
+    const bool done = pulled_[s] == nwin_[s] && (!push_ || nwin_[s] == 0 || pushed_by(s));
+    if (done && done_us_[s] < 0) done_us_[s] = elapsed_us(Clock::now());
+    all = all && done;
+  }
+  return all;
+}
+
+// Our rows, to every receiver whose recv_x is out.
+void DispatchCall::serve_receivers(bool& progressed) {
+  int ready = 0;
+  for (int d = 0; d < R_; ++d)
+    ready += serve_[d] = !pushed_to_[d] && (*my_dest_tokens_)[d] > 0 && out_ready(d);
+  // Ranks outnumbering the cores: a receiver not ready yet is mostly waiting for a core, which our pass would
+  // hold for milliseconds, and serving it later costs a second read of every token. Wait (asleep) until every
+  // receiver is ready and serve them all in one pass.
+  if (ready > 0 && (ready == push_left_ || !oversubscribed_)) {
+    push_rows(serve_);
+    progressed = true;  // (data_step's `all` already counted this pass as pending)
+  }
+}
+
+// One poll of the data phase; true once the call's part is done.
+bool DispatchCall::data_step(bool& progressed) {
+  // Internode: every staged window goes to the proxies of the nodes that need our tokens (only once the
+  // headers are in: their lanes are free then).
+  if (inter_) sender_->send_staged(staged_, progressed);
+  while (staged_ < my_nwin_ && (!inter_ || sender_->all_sent(staged_)) && can_stage(staged_)) {
+    stage(staged_);
+    publish_staged();
+    for (int p = 0; p < R_; ++p)
+      if ((*my_dest_tokens_)[p] > 0 && p != me_ && !ctx_.remote(p)) ctx_.notify(p);
+    progressed = true;
+  }
+  // Done once every window is staged and acknowledged (so that the next call may reuse the area) and every
+  // source's windows are pulled.
+  bool all = staged_ == my_nwin_ && can_stage(my_nwin_ + 1) && push_left_ == 0;
+  if (inter_) {
+    // As proxy of rail peer s: the ranks of our node that pull from s (its counts say so).
+    auto receives = [&](int s, int d) { return ctx_.counts(s)[ctx_.header(s)->num_counts - R_ + d] > 0; };
+    auto windows = [&](int s) { return num_windows(tokens_of_[s], W_); };
+    all = acks_->step(progressed, receives, windows) && all && sender_->all_sent(my_nwin_) &&
+          sender_->complete();
+  }
+  all = pull_sources(progressed) && all;
+  // After the routing windows above: the metadata of the rows we receive is filled (and acknowledged)
+  // before our long pass, not after it.
+  if (push_left_ > 0) serve_receivers(progressed);
+  return all;
+}
+
+// The peers a stalled data phase waits for: sources not yet staged, receivers whose recv_x we wait for, and
+// receivers whose acknowledgements block our staging.
+std::vector<int> DispatchCall::awaited_peers() const {
+  std::vector<int> peers;
+  auto add = [&](int p) {
+    if (std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
   };
+  for (int s = 0; s < R_; ++s)
+    if ((pulled_[s] < nwin_[s] || (push_ && nwin_[s] > 0 && !pushed_by(s))) && s != me_) peers.push_back(s);
+  if (push_left_ > 0)
+    for (int d = 0; d < R_; ++d)
+      if (d != me_ && (*my_dest_tokens_)[d] > 0 && !pushed_to_[d] && !out_ready(d)) add(d);
+  if (!(staged_ == my_nwin_ && can_stage(my_nwin_ + 1)))
+    for (int p = 0; p < R_; ++p)
+      if ((*my_dest_tokens_)[p] > 0 && p != me_) add(p);
+  return peers;
+}
 
-  // As proxy of rail peer s: the ranks of our node that pull from s (its counts say so).
-  auto receives = [&](int s, int d) { return ctx.counts(s)[ctx.header(s)->num_counts - R + d] > 0; };
-  auto windows = [&](int s) { return num_windows(tokens_of[s], W); };
+void DispatchCall::move_rows() {
+  set_up_rounds();
+  ctx_.run(
+      "data", [&](bool& progressed) { return data_step(progressed); }, [&] { return awaited_peers(); });
+}
 
-  auto can_stage = [&](int64_t w) {
-    if (w < 2) return true;
-    for (int p = 0; p < R; ++p)
-      if (my_dest_tokens[p] > 0 && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, w - 1))
-        return false;
-    return !inter || (sender->all_sent(w - 1) && sender->half_free(w));
-  };
-  ctx.run(
-      "data",
-      [&](bool& progressed) {
-        // Internode: every staged window goes to the proxies of the nodes that need our tokens (only once the
-        // headers are in: their lanes are free then).
-        if (inter) send_staged(progressed);
-        while (staged < my_nwin && (!inter || sender->all_sent(staged)) && can_stage(staged)) {
-          stage(staged);
-          publish_staged();
-          for (int p = 0; p < R; ++p)
-            if (my_dest_tokens[p] > 0 && p != me && !ctx.remote(p)) ctx.notify(p);
-          progressed = true;
-        }
-        // Done once every window is staged and acknowledged (so that the next call may reuse the area)
-        // and every source's windows are pulled.
-        bool all = staged == my_nwin && can_stage(my_nwin + 1) && push_left == 0;
-        if (inter)
-          all = acks->step(progressed, receives, windows) && all && sender->all_sent(my_nwin) &&
-                sender->complete();
-        for (int s : ctx.arrival_order()) {
-          while (pulled[s] < nwin[s] &&
-                 ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {
-            pull(s, pulled[s]);
-            ++pulled[s];
-            ctx.signal(ctx.cell(s, me)->ack, pack(seq, pulled[s]), s);
-            progressed = true;
-          }
-          // A source is done once its windows are read and, pushing, its rows are written.
-          const bool done = pulled[s] == nwin[s] && (!push || nwin[s] == 0 || pushed_by(s));
-          if (done && done_us[s] < 0)
-            done_us[s] =
-                std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start).count();
-          all = all && done;
-        }
-        // Our rows, to every receiver whose recv_x is out. After the routing windows above: the metadata
-        // of the rows we receive is filled (and acknowledged) before our long pass, not after it.
-        if (push_left > 0) {
-          int ready = 0;
-          for (int d = 0; d < R; ++d)
-            ready += serve[d] = !pushed_to[d] && my_dest_tokens[d] > 0 && out_ready(d);
-          // Ranks outnumbering the cores: a receiver not ready yet is mostly waiting for a core, which our
-          // pass would hold for milliseconds, and serving it later costs a second read of every token. Wait
-          // (asleep) until every receiver is ready and serve them all in one pass.
-          if (ready > 0 && (ready == push_left || !oversubscribed)) {
-            push_rows(serve);
-            progressed = true;  // (`all` above already counted this pass as pending)
-          }
-        }
-        return all;
-      },
-      [&] {
-        std::vector<int> peers;  // sources not yet staged, and receivers whose acks block our staging
-        for (int s = 0; s < R; ++s)
-          if ((pulled[s] < nwin[s] || (push && nwin[s] > 0 && !pushed_by(s))) && s != me) peers.push_back(s);
-        if (push_left > 0)  // receivers whose recv_x we wait for
-          for (int d = 0; d < R; ++d)
-            if (d != me && my_dest_tokens[d] > 0 && !pushed_to[d] && !out_ready(d) &&
-                std::find(peers.begin(), peers.end(), d) == peers.end())
-              peers.push_back(d);
-        if (!(staged == my_nwin && can_stage(my_nwin + 1)))
-          for (int p = 0; p < R; ++p)
-            if (my_dest_tokens[p] > 0 && p != me && std::find(peers.begin(), peers.end(), p) == peers.end())
-              peers.push_back(p);
-        return peers;
-      });
+void DispatchCall::finish() const {
+  if (push_ && in_.counters) in_.counters->add(in_.counters->dispatch_pushed_tokens, in_.num_tokens);
+  if (in_.cost_stats) add_cost_stats(*in_.cost_stats, done_us_);
+}
 
-  if (push && in.counters) in.counters->add(in.counters->dispatch_pushed_tokens, in.num_tokens);
-  if (in.cost_stats) add_cost_stats(*in.cost_stats, done_us);
+}  // namespace
+
+void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
+                  const std::function<void()>& on_shapes) {
+  DispatchCall call(ctx, in, out);
+  call.exchange_headers();
+  call.plan_receives();
+  call.check_windows();
+  call.set_up_outputs();
+  on_shapes();
+  call.move_rows();
+  call.finish();
 }
 
 }  // namespace epcomm::engine

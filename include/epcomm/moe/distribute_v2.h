@@ -8,8 +8,8 @@
 #include <optional>
 #include <string>
 
-#include "epcomm/buffer.h"
 #include "epcomm/error.h"
+#include "epcomm/group.h"
 #include "epcomm/tensor.h"
 
 namespace epcomm::moe {

@@ -77,6 +77,12 @@ class ShmTransport final : public Transport {
   // Creates our segment (a memfd, or a name in /dev/shm) and maps every rank's. false: some rank could not
   // open some memfd and `must` is false (every rank then returns false and has released everything).
   bool attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must);
+  // attach's phases: our segment created, sized and mapped (own_fd set as soon as it exists, so that the
+  // caller closes it whatever happens); a peer's segment mapped; every rank's first failure to open one.
+  void create_own_segment(const std::string& own, bool memfd, bool must, SegmentRef& mine, int& own_fd,
+                          int& create_errno);
+  void map_peer(int r, const SegmentRef& ref, int pfd, size_t total);
+  std::pair<int, int> first_open_failure(Bootstrap& bootstrap, int failed_peer);
   void attach_own_arena(int fd, size_t total, SegmentRef& mine);
   void settle_reserves(Bootstrap& bootstrap, const std::vector<SegmentRef>& refs);
   void watch_peers(const std::vector<SegmentRef>& refs, const process::Id& self);
@@ -223,6 +229,91 @@ ShmTransport::ShmTransport(Bootstrap& bootstrap, size_t segment_bytes, uint64_t 
   memfd_ = !named;
 }
 
+void ShmTransport::create_own_segment(const std::string& own, bool memfd, bool must, SegmentRef& mine,
+                                      int& own_fd, int& create_errno) {
+  const size_t total = bytes_ + kShmHeaderBytes;
+  if (memfd) {
+    // Anonymous: no name exists at any moment, so a crash, even of every rank during setup, leaves nothing
+    // behind; the memory goes with the last process that holds it. A kernel without memfds (before 3.17)
+    // makes every rank fall back to names below, unless EPCOMM_SHM=memfd.
+    own_fd = memfd_create(own.c_str() + 1, MFD_CLOEXEC);
+    create_errno = errno;
+    if (own_fd == -1 && must)
+      EPCOMM_THROW(SystemError, "memfd_create failed: ", std::strerror(errno),
+                   " (EPCOMM_SHM=named uses /dev/shm)");
+  } else {
+    names_.assign(size_, std::string());
+    names_[rank_] = own;
+    own_fd = shm_open(own.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EPCOMM_CHECK_ERRNO(own_fd);
+  }
+  mine.fd = own_fd;
+  if (own_fd == -1) return;
+  struct stat st {};
+  EPCOMM_CHECK_ERRNO(fstat(own_fd, &st));
+  mine.dev = static_cast<uint64_t>(st.st_dev);
+  mine.ino = static_cast<uint64_t>(st.st_ino);
+  // Reserve the eager part now so that a full /dev/shm (or memory limit) fails here with an error instead
+  // of SIGBUS later (kEagerSegmentBytes).
+  const size_t eager = memfd ? std::min(total, kEagerSegmentBytes) : total;
+  if (ftruncate(own_fd, static_cast<off_t>(total)) != 0)
+    EPCOMM_THROW(SystemError, "cannot size a shared-memory segment of ", total,
+                 " bytes: ", std::strerror(errno));
+  int rc = posix_fallocate(own_fd, 0, static_cast<off_t>(eager));
+  if (rc != 0)
+    EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", eager,
+                 " bytes (num_nvl_bytes = ", bytes_, ")", memfd ? "" : " in /dev/shm", ": ",
+                 std::strerror(rc));
+  const int populate = eager == total ? MAP_POPULATE : MAP_NORESERVE;
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | populate, own_fd, 0);
+  if (p == MAP_FAILED) EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
+  maps_[rank_] = static_cast<uint8_t*>(p);
+  map_bytes_[rank_] = total;
+  // Write through the eager part once: its first-touch faults are paid here, not by the first dispatch.
+  std::memset(p, 0, eager);
+  attach_own_arena(own_fd, total, mine);
+}
+
+// Only the start of a peer's segment is populated (control words, headers and the engine's windows live
+// there); the rest enters this process's page tables, and its resident set, where this rank touches it.
+// Populating everything would count every peer's whole segment in every rank's RSS. A peer's arena is mapped
+// with its segment (address space only: pages exist where the peer wrote).
+void ShmTransport::map_peer(int r, const SegmentRef& ref, int pfd, size_t total) {
+  const size_t span = ref.arena_bytes ? arena_file_offset(total) + ref.arena_bytes : total;
+  void* q = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, pfd, 0);
+  close(pfd);
+  if (q == MAP_FAILED)
+    EPCOMM_THROW(SystemError, "mmap of rank ", r, "'s segment", ref.arena_bytes ? " and output arena" : "",
+                 " (", span, " bytes of address space) failed: ", std::strerror(errno),
+                 ref.arena_bytes ? " (BufferOptions::num_output_arena_bytes = 0 or EPCOMM_OUTPUT_ARENA=0 "
+                                   "turns the arenas off)"
+                                 : "");
+  maps_[r] = static_cast<uint8_t*>(q);
+  map_bytes_[r] = span;
+  populate_start(maps_[r], total);
+  if (ref.arena_bytes) {
+    arenas_[r] = maps_[r] + arena_file_offset(total);
+    // The peer wrote its reserve through: map those pages here now, not one fault at a time in the first
+    // dispatch that writes rows into them.
+    warm_peer_range(arenas_[r], std::min<uint64_t>(ref.arena_reserve, ref.arena_bytes));
+  }
+}
+
+// Every rank learns which rank, if any, could not open which segment (this is also the barrier after which
+// the names and the memfds are no longer needed): (culprit, the peer it could not open), or (-1, -1).
+std::pair<int, int> ShmTransport::first_open_failure(Bootstrap& bootstrap, int failed_peer) {
+  const int32_t mine_failed = failed_peer;
+  std::vector<std::byte> bytes(sizeof mine_failed);
+  std::memcpy(bytes.data(), &mine_failed, sizeof mine_failed);
+  const auto all = bootstrap.all_gather(bytes);
+  for (int r = 0; r < size_; ++r) {
+    int32_t f;
+    std::memcpy(&f, all.data() + static_cast<size_t>(r) * sizeof f, sizeof f);
+    if (f >= 0) return {r, f};
+  }
+  return {-1, -1};
+}
+
 bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, bool must) {
   const size_t total = bytes_ + kShmHeaderBytes;
   std::string own = detail::cat("/epcomm-", bootstrap.unique_id(), "-", instance, "-r", rank_);
@@ -246,48 +337,7 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
     mine.start_ticks = self.start_ticks;
     mine.pid_namespace = self.pid_namespace;
     std::memcpy(mine.name, own.data(), own.size());
-    if (memfd) {
-      // Anonymous: no name exists at any moment, so a crash, even of every rank during setup, leaves
-      // nothing behind; the memory goes with the last process that holds it. A kernel without memfds
-      // (before 3.17) makes every rank fall back to names below, unless EPCOMM_SHM=memfd.
-      own_fd = memfd_create(own.c_str() + 1, MFD_CLOEXEC);
-      create_errno = errno;
-      if (own_fd == -1 && must)
-        EPCOMM_THROW(SystemError, "memfd_create failed: ", std::strerror(errno),
-                     " (EPCOMM_SHM=named uses /dev/shm)");
-    } else {
-      names_.assign(size_, std::string());
-      names_[rank_] = own;
-      own_fd = shm_open(own.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-      EPCOMM_CHECK_ERRNO(own_fd);
-    }
-    mine.fd = own_fd;
-    if (own_fd != -1) {
-      struct stat st {};
-      EPCOMM_CHECK_ERRNO(fstat(own_fd, &st));
-      mine.dev = static_cast<uint64_t>(st.st_dev);
-      mine.ino = static_cast<uint64_t>(st.st_ino);
-      // Reserve the eager part now so that a full /dev/shm (or memory limit) fails here with an error
-      // instead of SIGBUS later (kEagerSegmentBytes).
-      const size_t eager = memfd ? std::min(total, kEagerSegmentBytes) : total;
-      if (ftruncate(own_fd, static_cast<off_t>(total)) != 0)
-        EPCOMM_THROW(SystemError, "cannot size a shared-memory segment of ", total,
-                     " bytes: ", std::strerror(errno));
-      int rc = posix_fallocate(own_fd, 0, static_cast<off_t>(eager));
-      if (rc != 0)
-        EPCOMM_THROW(SystemError, "cannot allocate a shared-memory segment of ", eager,
-                     " bytes (num_nvl_bytes = ", bytes_, ")", memfd ? "" : " in /dev/shm", ": ",
-                     std::strerror(rc));
-      const int populate = eager == total ? MAP_POPULATE : MAP_NORESERVE;
-      void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | populate, own_fd, 0);
-      if (p == MAP_FAILED)
-        EPCOMM_THROW(SystemError, "mmap of ", total, " bytes failed: ", std::strerror(errno));
-      maps_[rank_] = static_cast<uint8_t*>(p);
-      map_bytes_[rank_] = total;
-      // Write through the eager part once: its first-touch faults are paid here, not by the first dispatch.
-      std::memset(p, 0, eager);
-      attach_own_arena(own_fd, total, mine);
-    }
+    create_own_segment(own, memfd, must, mine, own_fd, create_errno);
 
     const std::vector<SegmentRef> refs = gather_refs(bootstrap, mine);
     if (!memfd)
@@ -305,42 +355,9 @@ bool ShmTransport::attach(Bootstrap& bootstrap, uint64_t instance, bool memfd, b
         failed_what = what;
         break;
       }
-      // Only the start of a peer's segment is populated (control words, headers and the engine's windows
-      // live there); the rest enters this process's page tables, and its resident set, where this rank
-      // touches it. Populating everything would count every peer's whole segment in every rank's RSS.
-      // A peer's arena is mapped with its segment (address space only: pages exist where the peer wrote).
-      const size_t span = refs[r].arena_bytes ? arena_file_offset(total) + refs[r].arena_bytes : total;
-      void* q = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, pfd, 0);
-      close(pfd);
-      if (q == MAP_FAILED)
-        EPCOMM_THROW(
-            SystemError, "mmap of rank ", r, "'s segment", refs[r].arena_bytes ? " and output arena" : "",
-            " (", span, " bytes of address space) failed: ", std::strerror(errno),
-            refs[r].arena_bytes ? " (BufferOptions::num_output_arena_bytes = 0 or EPCOMM_OUTPUT_ARENA=0 "
-                                  "turns the arenas off)"
-                                : "");
-      maps_[r] = static_cast<uint8_t*>(q);
-      map_bytes_[r] = span;
-      populate_start(maps_[r], total);
-      if (refs[r].arena_bytes) {
-        arenas_[r] = maps_[r] + arena_file_offset(total);
-        // The peer wrote its reserve through: map those pages here now, not one fault at a time in the
-        // first dispatch that writes rows into them.
-        warm_peer_range(arenas_[r], std::min<uint64_t>(refs[r].arena_reserve, refs[r].arena_bytes));
-      }
+      map_peer(r, refs[r], pfd, total);
     }
-    // Every rank learns which rank, if any, could not open which segment (this is also the barrier after
-    // which the names and the memfds are no longer needed).
-    const int32_t mine_failed = failed_peer;
-    std::vector<std::byte> bytes(sizeof mine_failed);
-    std::memcpy(bytes.data(), &mine_failed, sizeof mine_failed);
-    const auto all = bootstrap.all_gather(bytes);
-    int culprit = -1, culprit_peer = -1;
-    for (int r = 0; r < size_ && culprit < 0; ++r) {
-      int32_t f;
-      std::memcpy(&f, all.data() + static_cast<size_t>(r) * sizeof f, sizeof f);
-      if (f >= 0) culprit = r, culprit_peer = f;
-    }
+    const auto [culprit, culprit_peer] = first_open_failure(bootstrap, failed_peer);
     if (culprit >= 0 && must) {
       const char* hint = memfd ? " (ranks in different PID namespaces, or processes that are not dumpable, "
                                  "cannot open each other's memfds: set EPCOMM_SHM=named)"
