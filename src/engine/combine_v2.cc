@@ -6,11 +6,14 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <optional>
+#include <string>
 
 #include "engine/distribute_v2.h"
 #include "engine/distribute_v2_kernels.h"
 #include "engine/kernels.h"
 #include "engine/pair_exchange.h"
+#include "engine/window_serve.h"
 #include "quant/block.h"
 
 namespace epcomm::engine::v2 {
@@ -52,6 +55,505 @@ size_t compact_head(int64_t entries) {
 }
 size_t compact_bytes(int64_t entries, size_t row_stride) {
   return compact_head(entries) + static_cast<size_t>(entries) * row_stride;
+}
+
+// One call's EP stage on this rank: the state its phases share. run_combine_v2 runs the phases in order,
+// each leaving what the next needs. As contributor we write our rows into the origins' windows; as origin we
+// open our windows and reduce them; internode, as proxy of rail peer o on node n, our node's rows for o's
+// window collect in the lane we keep for n: we open o's windows there when o says so (meta_ready), and send
+// each back compact once every rank of our node that returns rows to o has written its part.
+struct CombineV2Call {
+  CombineV2Call(OpContext& c, const CombineV2Input& i, const CombineV2Output& o)
+      : ctx(c),
+        in(i),
+        out(o),
+        lay(i.lay),
+        W(lay.W),
+        me(i.me),
+        K(lay.K),
+        S(lay.S),
+        slots(K + S),
+        H(i.H),
+        row_bytes(static_cast<size_t>(H) * 2),
+        wire(wire_bytes(i)),
+        op(i.residual ? OpKind::combine_add_rms_norm : OpKind::combine_v2),
+        seq(c.seq()),
+        inter(c.internode()),
+        M(inter ? inter->topo.num_nodes : 1),
+        my_area(c.data(me)) {}
+
+  // Phases.
+  void exchange_headers();
+  void fit_window();
+  void check_row_counts();
+  void plan_windows();
+  void move_rows();
+
+  std::atomic<uint64_t>* tag_at(int o, int64_t idx) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(ctx.data(o) + tags_off +
+                                                    static_cast<size_t>(idx) * geo.weight_stride);
+  }
+  bool returns_to(int d, int o) const { return peer_counts(ctx, d)[count_origin(W, o)] > 0; }
+  // Contributor: write our rows of origin o's window w into its slots.
+  void fill(int o, int64_t w);
+  // Origin.
+  void open_window();
+  bool contributors_done(int64_t w) const;
+  void gather_remote(int64_t w, int64_t n_slots);
+  int collect_rows(int64_t w, int64_t t, int64_t t0);
+  void zero_token(int64_t t);
+  void reduce(int64_t w);
+  // Proxy.
+  bool proxy_can_open(int n) const;
+  void proxy_open(int n);
+  bool proxy_can_forward(int n) const;
+  void proxy_forward(int n);
+  bool proxy_step(bool& progressed);
+  // The data loop.
+  bool step(bool& progressed);
+  std::vector<int> awaited() const;
+
+  OpContext& ctx;
+  const CombineV2Input& in;
+  const CombineV2Output& out;
+  const Layout& lay;
+  const int W, me, K, S, slots;
+  const int64_t H;
+  const size_t row_bytes, wire;
+  const OpKind op;
+  const uint64_t seq;
+  Internode* const inter;
+  const int M;  // nodes (1 on one node)
+  uint8_t* const my_area;
+
+  // fit_window: the window, and internode where a lane's data keeps the rows that come back.
+  CombineGeometry geo{};
+  size_t ret_off = 0;
+  // check_row_counts.
+  std::vector<int64_t> tokens_of;
+  // plan_windows: windows per origin, filled so far, our next row per origin, ranks that return rows to us.
+  int64_t per_window = 0;
+  size_t tags_off = 0;
+  std::vector<int64_t> nwin, filled, pos;
+  std::vector<uint8_t> contributes;
+  // Internode. As origin: the nodes that return rows to us, and the rows of the open window that came back.
+  // As proxy, per node n: windows of its rail peer to serve, opened, forwarded, the last write, its pieces.
+  std::vector<uint8_t> node_contributes;
+  std::vector<const uint8_t*> remote_row;
+  std::vector<int32_t> remote_writer;
+  std::vector<int64_t> px_windows, px_opened, px_forwarded;
+  std::vector<uint64_t> px_ticket;
+  std::vector<std::vector<int32_t>> px_head;
+  std::vector<std::vector<Network::Piece>> px_pieces;
+  std::optional<DrainOnExit> drain;  // after the buffers the network reads: destroyed before them
+  // The origin's reduction.
+  int64_t my_windows = 0, reduced = 0;
+  bool open = false;
+  std::vector<float> acc, scratch;
+  std::vector<uint8_t> decoded;
+  std::vector<const uint8_t*> row_ptrs;
+  std::vector<float> weights;
+  std::vector<uint8_t> weighted;
+};
+
+// Header: params, rows and largest token per origin, rows this rank expects.
+void CombineV2Call::exchange_headers() {
+  int64_t expected = 0;
+  for (int64_t t = 0; t < in.bs; ++t) {
+    if (!in.active[t]) continue;
+    expected += S;
+    for (int k = 0; k < K; ++k) expected += in.ids[t * K + k] >= 0;
+  }
+  HeaderData& h = ctx.begin_header(op);
+  h.num_tokens = in.bs;
+  h.hidden = H;
+  int32_t* c = put_params(ctx, in.params, 2 * W + 1);
+  for (int o = 0; o < W; ++o) {
+    const int64_t b = in.origin_offsets[o], e = in.origin_offsets[o + 1];
+    c[count_origin(W, o)] = static_cast<int32_t>(e - b);
+    c[count_max_token(W, o)] = e > b ? in.assist[3 * in.origin_rows[e - 1] + 1] + 1 : 0;
+  }
+  c[count_expected(W)] = static_cast<int32_t>(expected);
+  ctx.publish_header();
+  ctx.exchange_headers();
+  check_params(ctx, op,
+               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
+                kParamDtype, kParamCommQuant},
+               true);
+}
+
+// Room for one token's slots, the same check on every rank.
+void CombineV2Call::fit_window() {
+  geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
+  if (inter) {  // a remote origin's window lives in its proxy's lane, and goes back compact into the origin's
+    // Each half of a lane's data: the copy window of the mirrored origin (this rank as its proxy), then
+    // the rows that node returns for our own window (this rank as origin).
+    ret_off = inter->lane.data_bytes / 2 / kAlign * kAlign;
+    const size_t room = ret_off;
+    int64_t wl = combine_geometry(room, wire, slots, sizeof(uint64_t)).window;
+    while (wl > 0 && compact_bytes(wl * slots, geo.row_stride) > room) --wl;
+    if (wl < 1 && geo.window >= 1)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(),
+                   "capacity: num_rdma_bytes = ", inter->lane.bytes * inter->topo.num_nodes, " (one lane of ",
+                   inter->lane.bytes, " bytes per node) cannot hold the ", slots, " rows of one token (",
+                   wire, " bytes each) twice; the minimum is ",
+                   static_cast<size_t>(inter->topo.num_nodes) *
+                       (lane_overhead_bytes(inter->topo.ranks_per_node, W) +
+                        2 * (combine_min_data_bytes(wire, slots, sizeof(uint64_t)) + kAlign)),
+                   " bytes (GroupContextOptions::num_rdma_bytes)");
+    geo.window = std::min(geo.window, wl);
+  }
+  if (geo.window < 1)
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
+                 " bytes per rank) cannot hold the ", slots, " rows of one token (", wire,
+                 " bytes each); the minimum is ",
+                 control_bytes(W) + combine_min_data_bytes(wire, slots, sizeof(uint64_t)),
+                 " bytes (GroupContextOptions::segment_bytes)");
+}
+
+// Every origin gets exactly the rows it expects (its mask and ids) from rows whose tokens it has; every rank
+// makes the same checks.
+void CombineV2Call::check_row_counts() {
+  tokens_of.resize(W);
+  for (int o = 0; o < W; ++o) tokens_of[o] = ctx.header(o)->num_tokens;
+  for (int o = 0; o < W; ++o) {
+    int64_t sum = 0;
+    std::string senders;
+    for (int s = 0; s < W; ++s) {
+      const int32_t* pc = peer_counts(ctx, s);
+      sum += pc[count_origin(W, o)];
+      if (pc[count_origin(W, o)])
+        senders +=
+            detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ", pc[count_origin(W, o)]);
+      if (pc[count_max_token(W, o)] > tokens_of[o])
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_word(),
+                     " ", s, " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ",
+                     ctx.peer_word(), " ", o, ", which has Bs = ", tokens_of[o], " tokens");
+    }
+    const int64_t want = peer_counts(ctx, o)[count_expected(W)];
+    if (sum != want)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", o, " expects ", want,
+                   " rows (active slots of its x_active_mask and expert_ids, plus ", S,
+                   " shared per active token) but the ranks return ", sum, " (",
+                   senders.empty() ? "none" : senders,
+                   "): expert_ids, x_active_mask or the layout differ from the dispatch");
+  }
+}
+
+// Windows over each origin's tokens: who fills which, and (internode) what each proxy serves.
+void CombineV2Call::plan_windows() {
+  per_window = geo.window;
+  tags_off = static_cast<size_t>(per_window) * slots * geo.row_stride;
+  nwin.assign(W, 0);
+  filled.assign(W, 0);
+  pos.assign(in.origin_offsets.begin(), in.origin_offsets.end() - 1);
+  for (int o = 0; o < W; ++o)
+    if (in.origin_offsets[o + 1] > in.origin_offsets[o]) nwin[o] = ceil_div(tokens_of[o], per_window);
+  contributes.assign(W, 0);
+  for (int s = 0; s < W; ++s) contributes[s] = peer_counts(ctx, s)[count_origin(W, me)] > 0;
+  node_contributes.assign(M, 0);
+  px_windows.assign(M, 0);
+  px_opened.assign(M, 0);
+  px_forwarded.assign(M, 0);
+  px_ticket.assign(M, 0);
+  px_head.resize(M);
+  px_pieces.resize(M);
+  drain.emplace(ctx);
+  if (inter) {
+    const Topology& topo = inter->topo;
+    for (int s = 0; s < W; ++s)
+      if (contributes[s] && ctx.remote(s)) node_contributes[topo.node_of[s]] = 1;
+    remote_row.assign(static_cast<size_t>(per_window) * slots, nullptr);
+    remote_writer.assign(remote_row.size(), -1);
+    for (int n = 0; n < M; ++n) {
+      if (n == topo.node()) continue;
+      const int o = topo.rail(n);
+      for (int d : topo.node_ranks[topo.node()])
+        if (returns_to(d, o)) px_windows[n] = ceil_div(tokens_of[o], per_window);
+    }
+  }
+  my_windows = in.bs > 0 ? ceil_div(in.bs, per_window) : 0;
+  acc.resize(static_cast<size_t>(H));
+  scratch.resize(static_cast<size_t>(H));
+  decoded.resize(in.comm_quant == 2 ? static_cast<size_t>(slots) * row_bytes : 0);
+  row_ptrs.resize(slots + 1);
+  weights.resize(slots + 1);
+  weighted.resize(slots + 1);
+}
+
+void CombineV2Call::move_rows() {
+  ctx.run(
+      "combine rows", [this](bool& progressed) { return step(progressed); }, [this] { return awaited(); });
+}
+
+void CombineV2Call::fill(int o, int64_t w) {
+  uint8_t* area = ctx.data(o);
+  const int64_t t0 = w * per_window, t1 = t0 + per_window;
+  const int64_t end = in.origin_offsets[o + 1];
+  while (pos[o] < end) {
+    const int32_t i = in.origin_rows[pos[o]];
+    const int64_t t = in.assist[3 * i + 1];
+    if (t >= t1) break;
+    const int slot = in.assist[3 * i + 2];
+    const int64_t idx = (t - t0) * slots + slot;
+    uint8_t* dst = area + static_cast<size_t>(idx) * geo.row_stride;
+    const uint8_t* src = in.rows + static_cast<size_t>(i) * row_bytes;
+    if (in.comm_quant == 2)
+      quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
+                                 reinterpret_cast<uint16_t*>(dst + H));
+    else
+      copy_row(dst, src, row_bytes);
+    const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
+    if (stamp_is(old, seq, w))
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
+                   " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(),
+                   " ", o, " (duplicate row)");
+    ++pos[o];
+  }
+}
+
+// Clears the slots of our next window and tells the contributors (internode: the proxies of the nodes that
+// return rows to us, which open their copy of the window).
+void CombineV2Call::open_window() {
+  const int64_t t0 = reduced * per_window, t1 = std::min(in.bs, t0 + per_window);
+  for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx) tag_at(me, idx)->store(0, std::memory_order_relaxed);
+  ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
+  for (int s = 0; s < W; ++s)
+    if (contributes[s] && s != me && !ctx.remote(s)) ctx.notify(s);
+  if (inter)
+    for (int n = 0; n < inter->topo.num_nodes; ++n)
+      if (node_contributes[n])
+        ctx.write_lane(inter->topo.rail(n), nullptr, 0, 0, offsetof(LaneControl, meta_ready),
+                       pack(seq, reduced + 1));
+  open = true;
+}
+
+bool CombineV2Call::contributors_done(int64_t w) const {
+  for (int s = 0; s < W; ++s)
+    if (contributes[s] && ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, w + 1))
+      return false;
+  return true;
+}
+
+// Origin: the rows of window w that came back from the other nodes (checked against our own arrivals).
+void CombineV2Call::gather_remote(int64_t w, int64_t n_slots) {
+  std::fill(remote_row.begin(), remote_row.begin() + n_slots, nullptr);
+  for (int n = 0; n < M; ++n) {
+    if (!node_contributes[n]) continue;
+    const uint8_t* base = ctx.lane_base(me, n) + inter->lane.data + ret_off;
+    const int64_t count = *reinterpret_cast<const int32_t*>(base);
+    const int32_t* ent = reinterpret_cast<const int32_t*>(base + 8);
+    const uint8_t* rows_at = base + compact_head(count);
+    EPCOMM_CHECK_INTERNAL(count >= 0 && count <= n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
+                          inter->topo.rail(n), " (proxy on node ", n, ") returned ", count,
+                          " rows for window ", w, " of ", n_slots, " slots");
+    for (int64_t e = 0; e < count; ++e) {
+      const int32_t idx = ent[2 * e], writer = ent[2 * e + 1];
+      EPCOMM_CHECK_INTERNAL(idx >= 0 && idx < n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
+                            inter->topo.rail(n), " (proxy on node ", n, ") returned slot ", idx,
+                            " outside window ", w);
+      const uint64_t local = tag_at(me, idx)->load(std::memory_order_acquire);
+      const int other = remote_row[idx]           ? remote_writer[idx]
+                        : stamp_is(local, seq, w) ? stamp_writer(local)
+                                                  : -1;
+      if (other >= 0)
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", other, " and ",
+                     ctx.peer_word(), " ", writer, " both return a row for (t=", w * per_window + idx / slots,
+                     ", slot=", idx % slots, ") of this rank (duplicate row)");
+      remote_row[idx] = rows_at + static_cast<size_t>(e) * geo.row_stride;
+      remote_writer[idx] = writer;
+    }
+  }
+}
+
+// Token t's arrived rows in reduction order (row_ptrs, weights, weighted), checked against our mask and
+// ids; returns their number. t0: the window's first token.
+int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0) {
+  const bool act = in.active[t];
+  int n = 0;
+  for (int s = 0; s < slots; ++s) {
+    const int64_t idx = (t - t0) * slots + s;
+    const uint64_t v = tag_at(me, idx)->load(std::memory_order_acquire);
+    bool arrived = stamp_is(v, seq, w);
+    int writer = stamp_writer(v);
+    const uint8_t* src = my_area + static_cast<size_t>(idx) * geo.row_stride;
+    if (inter && remote_row[idx]) {
+      arrived = true;
+      writer = remote_writer[idx];
+      src = remote_row[idx];
+    }
+    const bool wanted = act && (s >= K || in.ids[t * K + s] >= 0);
+    if (arrived && !wanted)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", writer,
+                   " returned a row for (t=", t, ", slot=", s, "), which is not active on this rank (",
+                   act ? "expert_ids / x_active_mask slot" : "masked token", ")");
+    if (!arrived && wanted)
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: no rank returned a row for (t=", t, ", slot=", s,
+                   "), an active slot of this rank (another row went elsewhere)");
+    if (!wanted) continue;
+    if (in.comm_quant == 2) {
+      uint8_t* dec = decoded.data() + static_cast<size_t>(s) * row_bytes;
+      quant::int8_group8_combine_dequant(in.dt, reinterpret_cast<const int8_t*>(src),
+                                         reinterpret_cast<const uint16_t*>(src + H), H,
+                                         reinterpret_cast<uint16_t*>(dec));
+      src = dec;
+    }
+    row_ptrs[n] = src;
+    weighted[n] = s < K;
+    weights[n] = s < K ? in.expert_scales[t * K + s] : 1.0f;
+    ++n;
+  }
+  return n;
+}
+
+void CombineV2Call::zero_token(int64_t t) {
+  std::memset(out.x + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
+  if (out.y) std::memset(out.y + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
+  if (out.rstd) out.rstd[t] = 0.0f;
+}
+
+// Origin: reduce window w into the outputs.
+void CombineV2Call::reduce(int64_t w) {
+  const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
+  if (inter) gather_remote(w, (t1 - t0) * slots);
+  for (int64_t t = t0; t < t1; ++t) {
+    int n = collect_rows(w, t, t0);
+    if (!in.active[t]) {
+      zero_token(t);
+      continue;
+    }
+    if (in.shared_x) {
+      row_ptrs[n] = in.shared_x + static_cast<size_t>(t) * row_bytes;
+      weighted[n] = 0;
+      weights[n] = 1.0f;
+      ++n;
+    }
+    accumulate_rows(in.dt, row_ptrs.data(), weights.data(), weighted.data(), n, H, acc.data());
+    if (in.residual)
+      add_rms_norm_row(in.dt, acc.data(), in.residual + static_cast<size_t>(t) * row_bytes, in.gamma, H,
+                       in.norm_eps, out.x + static_cast<size_t>(t) * row_bytes,
+                       out.y + static_cast<size_t>(t) * row_bytes, &out.rstd[t], scratch.data());
+    else
+      round_row(in.dt, acc.data(), H, out.x + static_cast<size_t>(t) * row_bytes);
+  }
+}
+
+// Proxy of the rail peer on node n: its next window may open once it said so and our last write is read.
+bool CombineV2Call::proxy_can_open(int n) const {
+  return ctx.lane_control(me, n)->meta_ready.load(std::memory_order_acquire) >= pack(seq, px_opened[n] + 1) &&
+         (px_ticket[n] == 0 || inter->net->complete(px_ticket[n]));
+}
+
+void CombineV2Call::proxy_open(int n) {
+  const int o = inter->topo.rail(n);
+  const int64_t w = px_opened[n];
+  const int64_t t0 = w * per_window, t1 = std::min(tokens_of[o], t0 + per_window);
+  for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx) tag_at(o, idx)->store(0, std::memory_order_relaxed);
+  ctx.lane_control(me, n)->mirror.combine_open.store(pack(seq, w + 1), std::memory_order_seq_cst);
+  ctx.notify_all();
+  ++px_opened[n];
+}
+
+// The open window goes back once every rank of our node that returns rows to its origin has written.
+bool CombineV2Call::proxy_can_forward(int n) const {
+  const Topology& topo = inter->topo;
+  const int o = topo.rail(n);
+  bool ready = true;
+  for (int d : topo.node_ranks[topo.node()])
+    ready = ready && (!returns_to(d, o) ||
+                      ctx.cell(o, d)->done.load(std::memory_order_acquire) >= pack(seq, px_forwarded[n] + 1));
+  return ready;
+}
+
+// Sends the window back compact: the stamped slots' (index, writer) pairs, then the rows.
+void CombineV2Call::proxy_forward(int n) {
+  const int o = inter->topo.rail(n);
+  const int64_t fw = px_forwarded[n];
+  const int64_t t0 = fw * per_window, t1 = std::min(tokens_of[o], t0 + per_window);
+  std::vector<int32_t>& head = px_head[n];
+  head.assign(2, 0);
+  for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx) {
+    const uint64_t v = tag_at(o, idx)->load(std::memory_order_acquire);
+    if (!stamp_is(v, seq, fw)) continue;
+    head.push_back(static_cast<int32_t>(idx));
+    head.push_back(stamp_writer(v));
+  }
+  const int64_t count = static_cast<int64_t>(head.size() / 2 - 1);
+  head[0] = static_cast<int32_t>(count);
+  head.resize(compact_head(count) / 4, 0);
+  std::vector<Network::Piece>& pcs = px_pieces[n];
+  pcs.assign(1, Network::Piece{head.data(), compact_head(count)});
+  const uint8_t* area = ctx.data(o);
+  for (int64_t a = 0; a < count;) {  // runs of consecutive slots are contiguous in the window
+    int64_t b = a + 1;
+    while (b < count && head[2 + 2 * b] == head[2 + 2 * (b - 1)] + 1) ++b;
+    pcs.push_back({area + static_cast<size_t>(head[2 + 2 * a]) * geo.row_stride,
+                   static_cast<size_t>(b - a) * geo.row_stride});
+    a = b;
+  }
+  px_ticket[n] =
+      ctx.write_lane(o, pcs.data(), static_cast<int>(pcs.size()), inter->lane.data + ret_off,
+                     offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done), pack(seq, fw + 1));
+  inter->rows_sent += static_cast<uint64_t>(count);
+  inter->row_bytes_sent += static_cast<uint64_t>(count) * wire;
+  ++px_forwarded[n];
+}
+
+// Proxy: one pass over the rail peers whose windows we hold; true once all went back.
+bool CombineV2Call::proxy_step(bool& progressed) {
+  bool all = true;
+  for (int n = 0; n < M; ++n) {
+    if (n == inter->topo.node() || px_forwarded[n] == px_windows[n]) continue;
+    all = false;
+    if (px_opened[n] == px_forwarded[n] && proxy_can_open(n)) {
+      proxy_open(n);
+      progressed = true;
+    }
+    if (px_forwarded[n] == px_opened[n] || !proxy_can_forward(n)) continue;
+    proxy_forward(n);
+    progressed = true;
+  }
+  return all;
+}
+
+bool CombineV2Call::step(bool& progressed) {
+  if (reduced < my_windows && !open) {
+    open_window();
+    progressed = true;
+  }
+  bool all = serve_published_windows(ctx, me, &Control::combine_open, &PeerCell::done, filled, nwin,
+                                     progressed, [this](int o, int64_t w) { fill(o, w); });
+  if (open && contributors_done(reduced)) {
+    reduce(reduced);
+    ++reduced;
+    open = false;
+    progressed = true;
+  }
+  if (inter) all = proxy_step(progressed) && all;
+  return all && reduced == my_windows;
+}
+
+std::vector<int> CombineV2Call::awaited() const {
+  std::vector<int> peers;  // origins whose windows we still fill, then contributors we wait for
+  for (int o = 0; o < W; ++o)
+    if (filled[o] < nwin[o] && o != me) peers.push_back(o);
+  if (open)
+    for (int s = 0; s < W; ++s)
+      if (contributes[s] && ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, reduced + 1))
+        add_awaited(peers, s, me);
+  if (inter)  // as proxy: origins whose next window we await, contributors of the open one
+    for (int n = 0; n < inter->topo.num_nodes; ++n) {
+      if (n == inter->topo.node() || px_forwarded[n] == px_windows[n]) continue;
+      const int o = inter->topo.rail(n);
+      if (px_opened[n] == px_forwarded[n])
+        add_awaited(peers, o, me);
+      else
+        for (int d : inter->topo.node_ranks[inter->topo.node()])
+          if (returns_to(d, o) &&
+              ctx.cell(o, d)->done.load(std::memory_order_acquire) < pack(seq, px_opened[n]))
+            add_awaited(peers, d, me);
+    }
+  return peers;
 }
 
 }  // namespace
@@ -123,395 +625,13 @@ void run_combine_v2_tp(OpContext& tctx, const CombineV2Input& in, const uint8_t*
 
 void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Output& out,
                     const std::function<void()>& on_moving) {
-  const Layout& lay = in.lay;
-  const int W = lay.W, me = in.me, K = lay.K, S = lay.S, slots = K + S;
-  const int64_t H = in.H;
-  const size_t row_bytes = static_cast<size_t>(H) * 2;
-  const size_t wire = wire_bytes(in);
-  const OpKind op = in.residual ? OpKind::combine_add_rms_norm : OpKind::combine_v2;
-
-  // 1. Header: params, rows and largest token per origin, rows this rank expects.
-  int64_t expected = 0;
-  for (int64_t t = 0; t < in.bs; ++t) {
-    if (!in.active[t]) continue;
-    expected += S;
-    for (int k = 0; k < K; ++k) expected += in.ids[t * K + k] >= 0;
-  }
-  HeaderData& h = ctx.begin_header(op);
-  h.num_tokens = in.bs;
-  h.hidden = H;
-  int32_t* c = put_params(ctx, in.params, 2 * W + 1);
-  for (int o = 0; o < W; ++o) {
-    const int64_t b = in.origin_offsets[o], e = in.origin_offsets[o + 1];
-    c[count_origin(W, o)] = static_cast<int32_t>(e - b);
-    c[count_max_token(W, o)] = e > b ? in.assist[3 * in.origin_rows[e - 1] + 1] + 1 : 0;
-  }
-  c[count_expected(W)] = static_cast<int32_t>(expected);
-  ctx.publish_header();
-  ctx.exchange_headers();
-  check_params(ctx, op,
-               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
-                kParamDtype, kParamCommQuant},
-               true);
-
-  // 2. Checks every rank makes alike: room for one token's slots, and every origin gets exactly the rows it
-  // expects (its mask and ids) from rows whose tokens it has.
-  Internode* inter = ctx.internode();
-  CombineGeometry geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
-  size_t ret_off = 0;  // internode: where a lane's data keeps the rows that come back (see below)
-  if (inter) {  // a remote origin's window lives in its proxy's lane, and goes back compact into the origin's
-    // Each half of a lane's data: the copy window of the mirrored origin (this rank as its proxy), then
-    // the rows that node returns for our own window (this rank as origin).
-    ret_off = inter->lane.data_bytes / 2 / kAlign * kAlign;
-    const size_t room = ret_off;
-    int64_t wl = combine_geometry(room, wire, slots, sizeof(uint64_t)).window;
-    while (wl > 0 && compact_bytes(wl * slots, geo.row_stride) > room) --wl;
-    if (wl < 1 && geo.window >= 1)
-      EPCOMM_THROW(InvalidUsage, ctx.prefix(),
-                   "capacity: num_rdma_bytes = ", inter->lane.bytes * inter->topo.num_nodes, " (one lane of ",
-                   inter->lane.bytes, " bytes per node) cannot hold the ", slots, " rows of one token (",
-                   wire, " bytes each) twice; the minimum is ",
-                   static_cast<size_t>(inter->topo.num_nodes) *
-                       (lane_overhead_bytes(inter->topo.ranks_per_node, W) +
-                        2 * (combine_min_data_bytes(wire, slots, sizeof(uint64_t)) + kAlign)),
-                   " bytes (GroupContextOptions::num_rdma_bytes)");
-    geo.window = std::min(geo.window, wl);
-  }
-  if (geo.window < 1)
-    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
-                 " bytes per rank) cannot hold the ", slots, " rows of one token (", wire,
-                 " bytes each); the minimum is ",
-                 control_bytes(W) + combine_min_data_bytes(wire, slots, sizeof(uint64_t)),
-                 " bytes (GroupContextOptions::segment_bytes)");
-  std::vector<int64_t> tokens_of(W);
-  for (int o = 0; o < W; ++o) tokens_of[o] = ctx.header(o)->num_tokens;
-  for (int o = 0; o < W; ++o) {
-    int64_t sum = 0;
-    std::string senders;
-    for (int s = 0; s < W; ++s) {
-      const int32_t* pc = peer_counts(ctx, s);
-      sum += pc[count_origin(W, o)];
-      if (pc[count_origin(W, o)])
-        senders +=
-            detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ", pc[count_origin(W, o)]);
-      if (pc[count_max_token(W, o)] > tokens_of[o])
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_word(),
-                     " ", s, " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ",
-                     ctx.peer_word(), " ", o, ", which has Bs = ", tokens_of[o], " tokens");
-    }
-    const int64_t want = peer_counts(ctx, o)[count_expected(W)];
-    if (sum != want)
-      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", o, " expects ", want,
-                   " rows (active slots of its x_active_mask and expert_ids, plus ", S,
-                   " shared per active token) but the ranks return ", sum, " (",
-                   senders.empty() ? "none" : senders,
-                   "): expert_ids, x_active_mask or the layout differ from the dispatch");
-  }
-
-  // 3. Data: windows over each origin's tokens.
+  CombineV2Call call(ctx, in, out);
+  call.exchange_headers();
+  call.fit_window();
+  call.check_row_counts();
   on_moving();
-  const int64_t per_window = geo.window;
-  const uint64_t seq = ctx.seq();
-  const size_t tags_off = static_cast<size_t>(per_window) * slots * geo.row_stride;
-  auto tag_at = [&](int o, int64_t idx) {
-    return reinterpret_cast<std::atomic<uint64_t>*>(ctx.data(o) + tags_off +
-                                                    static_cast<size_t>(idx) * geo.weight_stride);
-  };
-  std::vector<int64_t> nwin(W, 0), filled(W, 0), pos(in.origin_offsets.begin(), in.origin_offsets.end() - 1);
-  for (int o = 0; o < W; ++o)
-    if (in.origin_offsets[o + 1] > in.origin_offsets[o]) nwin[o] = ceil_div(tokens_of[o], per_window);
-  std::vector<uint8_t> contributes(W, 0);  // ranks that return rows to us
-  for (int s = 0; s < W; ++s) contributes[s] = peer_counts(ctx, s)[count_origin(W, me)] > 0;
-
-  // Contributor: write our rows of origin o's window w into its slots.
-  auto fill = [&](int o, int64_t w) {
-    uint8_t* area = ctx.data(o);
-    const int64_t t0 = w * per_window, t1 = t0 + per_window;
-    const int64_t end = in.origin_offsets[o + 1];
-    while (pos[o] < end) {
-      const int32_t i = in.origin_rows[pos[o]];
-      const int64_t t = in.assist[3 * i + 1];
-      if (t >= t1) break;
-      const int slot = in.assist[3 * i + 2];
-      const int64_t idx = (t - t0) * slots + slot;
-      uint8_t* dst = area + static_cast<size_t>(idx) * geo.row_stride;
-      const uint8_t* src = in.rows + static_cast<size_t>(i) * row_bytes;
-      if (in.comm_quant == 2)
-        quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
-                                   reinterpret_cast<uint16_t*>(dst + H));
-      else
-        copy_row(dst, src, row_bytes);
-      const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
-      if (stamp_is(old, seq, w))
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
-                     " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(),
-                     " ", o, " (duplicate row)");
-      ++pos[o];
-    }
-  };
-
-  // Internode. As origin: the nodes that return rows to us (their proxies send them back compact, into our
-  // lane for that node). As proxy of rail peer o on node n: our node's rows for o's window collect in the
-  // lane we keep for n; we open o's windows there when o says so (meta_ready), and send each back once every
-  // rank of our node that returns rows to o has written its part.
-  const int M = inter ? inter->topo.num_nodes : 1;
-  std::vector<uint8_t> node_contributes(M, 0);
-  std::vector<const uint8_t*> remote_row;
-  std::vector<int32_t> remote_writer;
-  std::vector<int64_t> px_windows(M, 0), px_opened(M, 0), px_forwarded(M, 0);
-  std::vector<uint64_t> px_ticket(M, 0);
-  std::vector<std::vector<int32_t>> px_head(M);
-  std::vector<std::vector<Network::Piece>> px_pieces(M);
-  auto returns_to = [&](int d, int o) { return peer_counts(ctx, d)[count_origin(W, o)] > 0; };
-  const DrainOnExit drain(ctx);  // after the buffers the network reads
-  if (inter) {
-    const Topology& topo = inter->topo;
-    for (int s = 0; s < W; ++s)
-      if (contributes[s] && ctx.remote(s)) node_contributes[topo.node_of[s]] = 1;
-    remote_row.assign(static_cast<size_t>(per_window) * slots, nullptr);
-    remote_writer.assign(remote_row.size(), -1);
-    for (int n = 0; n < M; ++n) {
-      if (n == topo.node()) continue;
-      const int o = topo.rail(n);
-      for (int d : topo.node_ranks[topo.node()])
-        if (returns_to(d, o)) px_windows[n] = ceil_div(tokens_of[o], per_window);
-    }
-  }
-  // Origin: the rows of window w that came back from the other nodes (checked against our own arrivals).
-  auto gather_remote = [&](int64_t w, int64_t n_slots) {
-    std::fill(remote_row.begin(), remote_row.begin() + n_slots, nullptr);
-    for (int n = 0; n < M; ++n) {
-      if (!node_contributes[n]) continue;
-      const uint8_t* base = ctx.lane_base(me, n) + inter->lane.data + ret_off;
-      const int64_t count = *reinterpret_cast<const int32_t*>(base);
-      const int32_t* ent = reinterpret_cast<const int32_t*>(base + 8);
-      const uint8_t* rows_at = base + compact_head(count);
-      EPCOMM_CHECK_INTERNAL(count >= 0 && count <= n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
-                            inter->topo.rail(n), " (proxy on node ", n, ") returned ", count,
-                            " rows for window ", w, " of ", n_slots, " slots");
-      for (int64_t e = 0; e < count; ++e) {
-        const int32_t idx = ent[2 * e], writer = ent[2 * e + 1];
-        EPCOMM_CHECK_INTERNAL(idx >= 0 && idx < n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
-                              inter->topo.rail(n), " (proxy on node ", n, ") returned slot ", idx,
-                              " outside window ", w);
-        const uint64_t local = tag_at(me, idx)->load(std::memory_order_acquire);
-        const int other = remote_row[idx]           ? remote_writer[idx]
-                          : stamp_is(local, seq, w) ? stamp_writer(local)
-                                                    : -1;
-        if (other >= 0)
-          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", other, " and ",
-                       ctx.peer_word(), " ", writer,
-                       " both return a row for (t=", w * per_window + idx / slots, ", slot=", idx % slots,
-                       ") of this rank (duplicate row)");
-        remote_row[idx] = rows_at + static_cast<size_t>(e) * geo.row_stride;
-        remote_writer[idx] = writer;
-      }
-    }
-  };
-  // Proxy: one pass over the rail peers whose windows we hold; true once all went back.
-  auto proxy_step = [&](bool& progressed) {
-    const Topology& topo = inter->topo;
-    bool all = true;
-    for (int n = 0; n < M; ++n) {
-      if (n == topo.node() || px_forwarded[n] == px_windows[n]) continue;
-      all = false;
-      const int o = topo.rail(n);
-      LaneControl* lc = ctx.lane_control(me, n);
-      const int64_t w = px_opened[n];
-      if (px_opened[n] == px_forwarded[n] &&
-          lc->meta_ready.load(std::memory_order_acquire) >= pack(seq, w + 1) &&
-          (px_ticket[n] == 0 || inter->net->complete(px_ticket[n]))) {
-        const int64_t t0 = w * per_window, t1 = std::min(tokens_of[o], t0 + per_window);
-        for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx)
-          tag_at(o, idx)->store(0, std::memory_order_relaxed);
-        lc->mirror.combine_open.store(pack(seq, w + 1), std::memory_order_seq_cst);
-        ctx.notify_all();
-        ++px_opened[n];
-        progressed = true;
-      }
-      if (px_forwarded[n] == px_opened[n]) continue;
-      const int64_t fw = px_forwarded[n];
-      bool ready = true;
-      for (int d : topo.node_ranks[topo.node()])
-        ready = ready && (!returns_to(d, o) ||
-                          ctx.cell(o, d)->done.load(std::memory_order_acquire) >= pack(seq, fw + 1));
-      if (!ready) continue;
-      const int64_t t0 = fw * per_window, t1 = std::min(tokens_of[o], t0 + per_window);
-      std::vector<int32_t>& head = px_head[n];
-      head.assign(2, 0);
-      for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx) {
-        const uint64_t v = tag_at(o, idx)->load(std::memory_order_acquire);
-        if (!stamp_is(v, seq, fw)) continue;
-        head.push_back(static_cast<int32_t>(idx));
-        head.push_back(stamp_writer(v));
-      }
-      const int64_t count = static_cast<int64_t>(head.size() / 2 - 1);
-      head[0] = static_cast<int32_t>(count);
-      head.resize(compact_head(count) / 4, 0);
-      std::vector<Network::Piece>& pcs = px_pieces[n];
-      pcs.assign(1, Network::Piece{head.data(), compact_head(count)});
-      const uint8_t* area = ctx.data(o);
-      for (int64_t a = 0; a < count;) {  // runs of consecutive slots are contiguous in the window
-        int64_t b = a + 1;
-        while (b < count && head[2 + 2 * b] == head[2 + 2 * (b - 1)] + 1) ++b;
-        pcs.push_back({area + static_cast<size_t>(head[2 + 2 * a]) * geo.row_stride,
-                       static_cast<size_t>(b - a) * geo.row_stride});
-        a = b;
-      }
-      px_ticket[n] =
-          ctx.write_lane(o, pcs.data(), static_cast<int>(pcs.size()), inter->lane.data + ret_off,
-                         offsetof(LaneControl, from_proxy) + offsetof(PeerCell, done), pack(seq, fw + 1));
-      inter->rows_sent += static_cast<uint64_t>(count);
-      inter->row_bytes_sent += static_cast<uint64_t>(count) * wire;
-      ++px_forwarded[n];
-      progressed = true;
-    }
-    return all;
-  };
-
-  // Origin: reduce window w into the outputs.
-  const int64_t my_windows = in.bs > 0 ? ceil_div(in.bs, per_window) : 0;
-  uint8_t* my_area = ctx.data(me);
-  std::vector<float> acc(static_cast<size_t>(H)), scratch(static_cast<size_t>(H));
-  std::vector<uint8_t> decoded(in.comm_quant == 2 ? static_cast<size_t>(slots) * row_bytes : 0);
-  std::vector<const uint8_t*> rows(slots + 1);
-  std::vector<float> weights(slots + 1);
-  std::vector<uint8_t> weighted(slots + 1);
-  auto zero_token = [&](int64_t t) {
-    std::memset(out.x + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
-    if (out.y) std::memset(out.y + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
-    if (out.rstd) out.rstd[t] = 0.0f;
-  };
-  auto reduce = [&](int64_t w) {
-    const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
-    if (inter) gather_remote(w, (t1 - t0) * slots);
-    for (int64_t t = t0; t < t1; ++t) {
-      const bool act = in.active[t];
-      int n = 0;
-      for (int s = 0; s < slots; ++s) {
-        const int64_t idx = (t - t0) * slots + s;
-        const uint64_t v = tag_at(me, idx)->load(std::memory_order_acquire);
-        bool arrived = stamp_is(v, seq, w);
-        int writer = stamp_writer(v);
-        const uint8_t* src = my_area + static_cast<size_t>(idx) * geo.row_stride;
-        if (inter && remote_row[idx]) {
-          arrived = true;
-          writer = remote_writer[idx];
-          src = remote_row[idx];
-        }
-        const bool wanted = act && (s >= K || in.ids[t * K + s] >= 0);
-        if (arrived && !wanted)
-          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", writer,
-                       " returned a row for (t=", t, ", slot=", s, "), which is not active on this rank (",
-                       act ? "expert_ids / x_active_mask slot" : "masked token", ")");
-        if (!arrived && wanted)
-          EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: no rank returned a row for (t=", t,
-                       ", slot=", s, "), an active slot of this rank (another row went elsewhere)");
-        if (!wanted) continue;
-        if (in.comm_quant == 2) {
-          uint8_t* dec = decoded.data() + static_cast<size_t>(s) * row_bytes;
-          quant::int8_group8_combine_dequant(in.dt, reinterpret_cast<const int8_t*>(src),
-                                             reinterpret_cast<const uint16_t*>(src + H), H,
-                                             reinterpret_cast<uint16_t*>(dec));
-          src = dec;
-        }
-        rows[n] = src;
-        weighted[n] = s < K;
-        weights[n] = s < K ? in.expert_scales[t * K + s] : 1.0f;
-        ++n;
-      }
-      if (!act) {
-        zero_token(t);
-        continue;
-      }
-      if (in.shared_x) {
-        rows[n] = in.shared_x + static_cast<size_t>(t) * row_bytes;
-        weighted[n] = 0;
-        weights[n] = 1.0f;
-        ++n;
-      }
-      accumulate_rows(in.dt, rows.data(), weights.data(), weighted.data(), n, H, acc.data());
-      if (in.residual)
-        add_rms_norm_row(in.dt, acc.data(), in.residual + static_cast<size_t>(t) * row_bytes, in.gamma, H,
-                         in.norm_eps, out.x + static_cast<size_t>(t) * row_bytes,
-                         out.y + static_cast<size_t>(t) * row_bytes, &out.rstd[t], scratch.data());
-      else
-        round_row(in.dt, acc.data(), H, out.x + static_cast<size_t>(t) * row_bytes);
-    }
-  };
-
-  int64_t reduced = 0;
-  bool open = false;
-  auto contributors_done = [&](int64_t w) {
-    for (int s = 0; s < W; ++s)
-      if (contributes[s] && ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, w + 1))
-        return false;
-    return true;
-  };
-  ctx.run(
-      "combine rows",
-      [&](bool& progressed) {
-        if (reduced < my_windows && !open) {
-          const int64_t t0 = reduced * per_window, t1 = std::min(in.bs, t0 + per_window);
-          for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx)
-            tag_at(me, idx)->store(0, std::memory_order_relaxed);
-          ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
-          for (int s = 0; s < W; ++s)
-            if (contributes[s] && s != me && !ctx.remote(s)) ctx.notify(s);
-          if (inter)  // the proxies of the nodes that return rows to us open their copy of the window
-            for (int n = 0; n < inter->topo.num_nodes; ++n)
-              if (node_contributes[n])
-                ctx.write_lane(inter->topo.rail(n), nullptr, 0, 0, offsetof(LaneControl, meta_ready),
-                               pack(seq, reduced + 1));
-          open = true;
-          progressed = true;
-        }
-        bool all = true;
-        for (int o : ctx.arrival_order()) {
-          while (filled[o] < nwin[o] &&
-                 ctx.control(o)->combine_open.load(std::memory_order_acquire) >= pack(seq, filled[o] + 1)) {
-            fill(o, filled[o]);
-            ++filled[o];
-            ctx.signal(ctx.cell(o, me)->done, pack(seq, filled[o]), o);
-            progressed = true;
-          }
-          all = all && filled[o] == nwin[o];
-        }
-        if (open && contributors_done(reduced)) {
-          reduce(reduced);
-          ++reduced;
-          open = false;
-          progressed = true;
-        }
-        if (inter) all = proxy_step(progressed) && all;
-        return all && reduced == my_windows;
-      },
-      [&] {
-        std::vector<int> peers;  // origins whose windows we still fill, then contributors we wait for
-        for (int o = 0; o < W; ++o)
-          if (filled[o] < nwin[o] && o != me) peers.push_back(o);
-        auto add = [&](int r) {
-          if (r != me && std::find(peers.begin(), peers.end(), r) == peers.end()) peers.push_back(r);
-        };
-        if (open)
-          for (int s = 0; s < W; ++s)
-            if (contributes[s] &&
-                ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, reduced + 1))
-              add(s);
-        if (inter)  // as proxy: origins whose next window we await, contributors of the open one
-          for (int n = 0; n < inter->topo.num_nodes; ++n) {
-            if (n == inter->topo.node() || px_forwarded[n] == px_windows[n]) continue;
-            const int o = inter->topo.rail(n);
-            if (px_opened[n] == px_forwarded[n])
-              add(o);
-            else
-              for (int d : inter->topo.node_ranks[inter->topo.node()])
-                if (returns_to(d, o) &&
-                    ctx.cell(o, d)->done.load(std::memory_order_acquire) < pack(seq, px_opened[n]))
-                  add(d);
-          }
-        return peers;
-      });
+  call.plan_windows();
+  call.move_rows();
 }
 
 }  // namespace epcomm::engine::v2

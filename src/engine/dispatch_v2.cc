@@ -11,6 +11,7 @@
 #include "engine/forward.h"
 #include "engine/kernels.h"
 #include "engine/pair_exchange.h"
+#include "engine/window_serve.h"
 #include "quant/block.h"
 
 namespace epcomm::engine::v2 {
@@ -109,103 +110,132 @@ SenderGeometry sender_geometry(const OpContext& ctx, const RowFormat& f, int K, 
   return g;
 }
 
-}  // namespace
+// One call's EP stage on this rank: the state its phases share. run_dispatch_v2 runs the phases in order,
+// each leaving what the next needs. As sender we stage our tokens window by window in two alternating
+// halves; as receiver we pull every source's windows into their final rows; internode, as proxy of our rail
+// peers, we forward our node's acknowledgements.
+struct DispatchV2Call {
+  DispatchV2Call(OpContext& c, const DispatchV2Input& i, DispatchV2Output& o)
+      : ctx(c),
+        in(i),
+        out(o),
+        lay(i.lay),
+        f(i.fmt),
+        W(lay.W),
+        me(i.me),
+        K(lay.K),
+        E(lay.E),
+        S(lay.S),
+        my_payloads(payloads_per_token(i)),
+        mine(sender_geometry(c, f, K, my_payloads)),
+        per_window(mine.geo.window),
+        seq(c.seq()),
+        inter(c.internode()),
+        my_area(c.data(me)) {}
 
-void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output& out,
-                     const std::function<void()>& on_moving) {
-  const Layout& lay = in.lay;
-  const int W = lay.W, me = in.me, K = lay.K, E = lay.E, S = lay.S;
-  const RowFormat& f = in.fmt;
-  const int my_payloads = payloads_per_token(in);
-  const SenderGeometry mine = sender_geometry(ctx, f, K, my_payloads);
-  const int64_t per_window = mine.geo.window;
+  // Phases.
+  void count_own_rows();
+  void set_up_internode();
+  void exchange_headers();
+  void check_sender_records();
+  void plan_receive();
+  void move_rows();
 
-  // Own counts and the receivers of our rows.
-  std::vector<int32_t> per_expert(E, 0);
+  // Sender side.
+  void stage(int64_t w);
+  void stage_next();
+  bool acked_by_all(int64_t windows) const;
+  bool can_stage(int64_t w) const;
+  // Receiver side.
+  void place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot, float escale);
+  void pull(int s, int64_t w);
+  // Proxy side: the ranks of our node that pull rows from rail peer s (its counts say so), s's windows.
+  bool receives(int s, int d) const;
+  int64_t windows_of(int s) const { return ceil_div(tokens_of[s], geos[s].geo.window); }
+  // The data loop.
+  bool step(bool& progressed);
+  std::vector<int> awaited() const;
+
+  OpContext& ctx;
+  const DispatchV2Input& in;
+  DispatchV2Output& out;
+  const Layout& lay;
+  const RowFormat& f;
+  const int W, me, K, E, S;
+  const int my_payloads;
+  const SenderGeometry mine;
+  const int64_t per_window;
+  const uint64_t seq;
+  Internode* const inter;
+  uint8_t* const my_area;  // free for staging: every call ends only once its peers are done with it
+
+  // count_own_rows: rows per MoE expert, active tokens, the receivers of our rows, our windows.
+  std::vector<int32_t> per_expert;
   int32_t n_active = 0;
+  std::vector<uint8_t> dest;
+  int64_t my_windows = 0;
+  int64_t staged = 0;  // windows staged so far
+  std::vector<float> scratch;
+  // set_up_internode.
+  std::optional<WindowSender> sender;
+  std::optional<AckForwarder> acks;
+  // check_sender_records: every sender's geometry and tokens.
+  std::vector<SenderGeometry> geos;
+  std::vector<int64_t> tokens_of;
+  // plan_receive: this rank's role, the next row of each block el·W + r, rows per source.
+  bool shared = false;
+  int m = 0;     // MoE rank index
+  int sexp = 0;  // shared expert served (shared rank)
+  std::vector<int64_t> cursor, rows_from;
+  // move_rows: windows to pull per source, pulled so far.
+  std::vector<int64_t> nwin, pulled;
+};
+
+void DispatchV2Call::count_own_rows() {
+  per_expert.assign(E, 0);
   for (int64_t t = 0; t < in.bs; ++t) {
     n_active += in.active[t];
     for (int k = 0; k < K; ++k)
       if (int32_t e = in.ids[t * K + k]; e >= 0) ++per_expert[e];
   }
-  std::vector<uint8_t> dest(W, 0);
+  dest.assign(W, 0);
   for (int e = 0; e < E; ++e)
     if (per_expert[e] > 0) dest[lay.rank_of(e)] = 1;
   if (n_active > 0)
     for (int p = 0; p < lay.Sr; ++p)
       if (lay.shared_serves(p, me)) dest[p] = 1;
   const bool any_dest = std::find(dest.begin(), dest.end(), 1) != dest.end();
-  const int64_t my_windows = any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0;
+  my_windows = any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0;
+}
 
-  int64_t staged = 0;  // windows staged so far
-
-  // Internode: each other node gets, compact, the active tokens routed to one of its ranks (all active tokens
-  // when one of its shared-expert ranks serves us); as proxy of our rail peers we forward our node's acks.
-  Internode* inter = ctx.internode();
-  std::optional<WindowSender> sender;
-  std::optional<AckForwarder> acks;
-  if (inter) {
-    const Topology& topo = inter->topo;
-    const int M = topo.num_nodes;
-    std::vector<uint8_t> shared_node(M, 0);
-    if (n_active > 0)
-      for (int p = 0; p < lay.Sr; ++p)
-        if (lay.shared_serves(p, me)) shared_node[topo.node_of[p]] = 1;
-    std::vector<std::vector<int32_t>> node_tokens(M);
-    std::vector<uint8_t> needs(M);
-    for (int64_t t = 0; t < in.bs; ++t) {
-      if (!in.active[t]) continue;
-      needs = shared_node;
-      for (int k = 0; k < K; ++k)
-        if (int32_t e = in.ids[t * K + k]; e >= 0) needs[topo.node_of[lay.rank_of(e)]] = 1;
-      for (int n = 0; n < M; ++n)
-        if (n != topo.node() && needs[n]) node_tokens[n].push_back(static_cast<int32_t>(t));
-    }
-    sender.emplace(ctx, ctx.data(me), mine.geo, mine.lane_half, mine.net_meta, in.bs,
-                   static_cast<size_t>(f.data_bytes + f.scale_bytes) * my_payloads, std::move(node_tokens));
-    acks.emplace(ctx);
+// Internode: each other node gets, compact, the active tokens routed to one of its ranks (all active tokens
+// when one of its shared-expert ranks serves us); as proxy of our rail peers we forward our node's acks.
+void DispatchV2Call::set_up_internode() {
+  if (!inter) return;
+  const Topology& topo = inter->topo;
+  const int M = topo.num_nodes;
+  std::vector<uint8_t> shared_node(M, 0);
+  if (n_active > 0)
+    for (int p = 0; p < lay.Sr; ++p)
+      if (lay.shared_serves(p, me)) shared_node[topo.node_of[p]] = 1;
+  std::vector<std::vector<int32_t>> node_tokens(M);
+  std::vector<uint8_t> needs(M);
+  for (int64_t t = 0; t < in.bs; ++t) {
+    if (!in.active[t]) continue;
+    needs = shared_node;
+    for (int k = 0; k < K; ++k)
+      if (int32_t e = in.ids[t * K + k]; e >= 0) needs[topo.node_of[lay.rank_of(e)]] = 1;
+    for (int n = 0; n < M; ++n)
+      if (n != topo.node() && needs[n]) node_tokens[n].push_back(static_cast<int32_t>(t));
   }
-  auto send_staged = [&](bool& progressed) { sender->send_staged(staged, progressed); };
+  sender.emplace(ctx, my_area, mine.geo, mine.lane_half, mine.net_meta, in.bs,
+                 static_cast<size_t>(f.data_bytes + f.scale_bytes) * my_payloads, std::move(node_tokens));
+  acks.emplace(ctx);
+}
 
-  // Staging (the area is free: every call ends only once its peers are done with it).
-  uint8_t* my_area = ctx.data(me);
-  std::vector<float> scratch;
-  auto stage = [&](int64_t w) {
-    uint8_t* half = my_area + static_cast<size_t>(w % 2) * mine.geo.half_bytes;
-    const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
-    for (int64_t t = t0; t < t1; ++t) {
-      uint8_t* rec = half + static_cast<size_t>(t - t0) * mine.geo.row_stride;
-      uint8_t* meta = half + static_cast<size_t>(per_window) * mine.geo.row_stride +
-                      static_cast<size_t>(t - t0) * mine.geo.meta_stride;
-      const int32_t* ids = &in.ids[t * K];
-      std::memcpy(meta, ids, sizeof(int32_t) * K);
-      if (!in.expert_scales.empty())
-        std::memcpy(meta + 4 * K, &in.expert_scales[t * K], sizeof(float) * K);
-      else
-        std::memset(meta + 4 * K, 0, sizeof(float) * K);
-      const uint32_t act = in.active[t];
-      std::memcpy(meta + 8 * K, &act, 4);
-      if (!act) continue;
-      if (my_payloads == 1) {
-        make_payload(in, t, 0, rec, scratch, mine.geo.cache_resident);
-        continue;
-      }
-      for (int k = 0; k < K; ++k)
-        if (ids[k] >= 0)
-          make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch,
-                       mine.geo.cache_resident);
-      for (int s = 0; s < S; ++s)
-        make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch,
-                     mine.geo.cache_resident);
-    }
-  };
-  const uint64_t seq = ctx.seq();
-  auto publish_staged = [&] {
-    ++staged;
-    ctx.control(me)->stage_ready.store(pack(seq, staged), std::memory_order_seq_cst);
-  };
-
-  // 1. Header: params, counts per expert, active tokens, payloads per token.
+// Header: params, counts per expert, active tokens, payloads per token. The first two windows are staged
+// while the headers travel.
+void DispatchV2Call::exchange_headers() {
   HeaderData& h = ctx.begin_header(OpKind::dispatch_v2);
   h.num_tokens = in.bs;
   h.hidden = f.H;
@@ -216,46 +246,48 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
   c[E + kCountActive] = n_active;
   c[E + kCountPayloads] = my_payloads;
   ctx.publish_header();
-  while (staged < std::min<int64_t>(my_windows, 2)) {
-    stage(staged);
-    publish_staged();
-  }
+  while (staged < std::min<int64_t>(my_windows, 2)) stage_next();
   if (inter)
-    ctx.exchange_headers(send_staged);
+    ctx.exchange_headers([this](bool& progressed) { sender->send_staged(staged, progressed); });
   else
     ctx.exchange_headers();
   check_params(ctx, OpKind::dispatch_v2,
                {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
                 kParamDtype, kParamQuantMode, kParamOutDtype},
                true);
+}
 
-  // 2. Every sender's geometry; a record that does not fit is the same error on every rank.
-  std::vector<SenderGeometry> geos(W);
-  std::vector<int64_t> tokens_of(W);
+// Every sender's geometry; a record that does not fit is the same error on every rank.
+void DispatchV2Call::check_sender_records() {
+  geos.resize(W);
+  tokens_of.resize(W);
   for (int s = 0; s < W; ++s) {
     geos[s] = sender_geometry(ctx, f, K, peer_counts(ctx, s)[E + kCountPayloads]);
     tokens_of[s] = ctx.header(s)->num_tokens;
-    if (geos[s].geo.window < 1 && inter &&
-        dispatch_geometry(ctx.layout().data_bytes, geos[s].geo.row_stride, meta_bytes(K)).window >= 1)
+    const SenderGeometry& g = geos[s];
+    if (g.geo.window < 1 && inter &&
+        dispatch_geometry(ctx.layout().data_bytes, g.geo.row_stride, meta_bytes(K)).window >= 1)
       EPCOMM_THROW(InvalidUsage, ctx.prefix(),
                    "capacity: num_rdma_bytes = ", inter->lane.bytes * inter->topo.num_nodes, " (one lane of ",
                    inter->lane.bytes, " bytes per node) cannot hold one forwarded token of ep rank ", s, " (",
-                   geos[s].geo.row_stride + geos[s].net_meta, " bytes); the minimum is ",
-                   min_rdma_bytes_for(ctx, geos[s].geo, geos[s].net_meta),
+                   g.geo.row_stride + g.net_meta, " bytes); the minimum is ",
+                   min_rdma_bytes_for(ctx, g.geo, g.net_meta),
                    " bytes (GroupContextOptions::num_rdma_bytes)");
-    if (geos[s].geo.window < 1)
+    if (g.geo.window < 1)
       EPCOMM_THROW(InvalidUsage, ctx.prefix(), "capacity: the group's segment (", ctx.layout().total,
                    " bytes per rank) cannot hold one staged token of ep rank ", s, " (",
-                   geos[s].geo.row_stride + geos[s].geo.meta_stride, " bytes); the minimum is ",
-                   control_bytes(W) + dispatch_min_data_bytes(geos[s].geo.row_stride, meta_bytes(K)),
+                   g.geo.row_stride + g.geo.meta_stride, " bytes); the minimum is ",
+                   control_bytes(W) + dispatch_min_data_bytes(g.geo.row_stride, meta_bytes(K)),
                    " bytes (GroupContextOptions::segment_bytes)");
   }
+}
 
-  // 3. The receive plan of this rank: blocks b = el·W + r in order (docs/distribute-v2.md).
-  const bool shared = lay.is_shared(me);
+// The receive plan of this rank: blocks b = el·W + r in order (docs/distribute-v2.md).
+void DispatchV2Call::plan_receive() {
+  shared = lay.is_shared(me);
   const int Lp = lay.local_experts(me);
-  const int m = me - lay.Sr;  // MoE rank index
-  const int sexp = shared ? lay.shared_expert_of(me) : 0;
+  m = me - lay.Sr;
+  sexp = shared ? lay.shared_expert_of(me) : 0;
   std::vector<int64_t> block(static_cast<size_t>(W) * Lp, 0);
   for (int s = 0; s < W; ++s) {
     const int32_t* pc = peer_counts(ctx, s);
@@ -265,8 +297,8 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
       for (int el = 0; el < Lp; ++el) block[static_cast<size_t>(el) * W + s] = pc[m * lay.L + el];
   }
   out.cnt.assign(block.size(), 0);
-  std::vector<int64_t> cursor(block.size());
-  std::vector<int64_t> rows_from(W, 0);
+  cursor.resize(block.size());
+  rows_from.assign(W, 0);
   int64_t total = 0;
   for (size_t b = 0; b < block.size(); ++b) {
     cursor[b] = total;
@@ -277,106 +309,156 @@ void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output
   out.n_own = total;
   EPCOMM_ASSERT(total <= lay.capacity(me), ctx.prefix(), "rank ", me, " receives ", total,
                 " rows, above its capacity A = ", lay.capacity(me));
+}
 
-  // 4. Data: stage our windows, pull every source's windows into their final rows.
-  on_moving();
-  std::vector<int64_t> nwin(W, 0), pulled(W, 0);
+// Data: stage our windows, pull every source's windows into their final rows.
+void DispatchV2Call::move_rows() {
+  nwin.assign(W, 0);
+  pulled.assign(W, 0);
   for (int s = 0; s < W; ++s)
     if (rows_from[s] > 0) nwin[s] = ceil_div(tokens_of[s], geos[s].geo.window);
-  auto place = [&](int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot, float escale) {
-    copy_row(out.expand_x + static_cast<size_t>(row) * f.data_bytes, payload, f.data_bytes);
-    if (f.scale_bytes)
-      std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, payload + f.data_bytes,
-                  f.scale_bytes);
-    out.assist[3 * row] = src;
-    out.assist[3 * row + 1] = t;
-    out.assist[3 * row + 2] = slot;
-    if (out.expand_scales) out.expand_scales[row] = escale;
-  };
-  auto pull = [&](int s, int64_t w) {
-    const SenderGeometry& g = geos[s];
-    const StagedWindow win = StagedWindow::of(ctx, s, w, g.geo, g.lane_half, g.net_meta, tokens_of[s]);
-    for (int64_t e = 0; e < win.count; ++e) {
-      const int64_t t = win.token(e);
-      const uint8_t* rec = win.payload(e);
-      const uint8_t* meta = win.meta(e);
-      uint32_t act;
-      std::memcpy(&act, meta + 8 * K, 4);
-      if (!act) continue;
-      if (shared) {
-        const size_t idx = g.payloads > 1 ? static_cast<size_t>(K + sexp) : 0;
-        place(cursor[s]++, rec + idx * g.payload_stride, s, static_cast<int32_t>(t), K + sexp, 1.0f);
-        continue;
-      }
-      for (int k = 0; k < K; ++k) {
-        int32_t e;
-        std::memcpy(&e, meta + 4 * k, 4);
-        const int el = e - m * lay.L;
-        if (e < 0 || el < 0 || el >= lay.L) continue;
-        float es;
-        std::memcpy(&es, meta + 4 * K + 4 * k, 4);
-        const size_t idx = g.payloads > 1 ? static_cast<size_t>(k) : 0;
-        place(cursor[static_cast<size_t>(el) * W + s]++, rec + idx * g.payload_stride, s,
-              static_cast<int32_t>(t), k, es);
-      }
-    }
-  };
-  auto acked_by_all = [&](int64_t windows) {
-    for (int p = 0; p < W; ++p)
-      if (dest[p] && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, windows)) return false;
-    return true;
-  };
-  auto can_stage = [&](int64_t w) {
-    if (w < 2) return true;
-    return acked_by_all(w - 1) && (!inter || (sender->all_sent(w - 1) && sender->half_free(w)));
-  };
-  // As proxy of rail peer s: the ranks of our node that pull rows from s (its counts say so).
-  auto receives = [&](int s, int d) {
-    const int32_t* pc = peer_counts(ctx, s);
-    if (lay.is_shared(d)) return lay.shared_serves(d, s) && pc[E + kCountActive] > 0;
-    for (int el = 0; el < lay.L; ++el)
-      if (pc[(d - lay.Sr) * lay.L + el] > 0) return true;
-    return false;
-  };
-  auto windows = [&](int s) { return ceil_div(tokens_of[s], geos[s].geo.window); };
   ctx.run(
-      "dispatch rows",
-      [&](bool& progressed) {
-        if (inter) send_staged(progressed);
-        while (staged < my_windows && (!inter || sender->all_sent(staged)) && can_stage(staged)) {
-          stage(staged);
-          publish_staged();
-          for (int p = 0; p < W; ++p)
-            if (dest[p] && p != me && !ctx.remote(p)) ctx.notify(p);
-          progressed = true;
-        }
-        bool all = staged == my_windows && (my_windows == 0 || acked_by_all(my_windows));
-        if (inter)
-          all = acks->step(progressed, receives, windows) && all && sender->all_sent(my_windows) &&
-                sender->complete();
-        for (int s : ctx.arrival_order()) {
-          while (pulled[s] < nwin[s] &&
-                 ctx.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq, pulled[s] + 1)) {
-            pull(s, pulled[s]);
-            ++pulled[s];
-            ctx.signal(ctx.cell(s, me)->ack, pack(seq, pulled[s]), s);
-            progressed = true;
-          }
-          all = all && pulled[s] == nwin[s];
-        }
-        return all;
-      },
-      [&] {
-        std::vector<int> peers;  // sources still to pull, then receivers whose acknowledgements we await
-        for (int s = 0; s < W; ++s)
-          if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
-        for (int p = 0; p < W; ++p)
-          if (dest[p] && p != me && std::find(peers.begin(), peers.end(), p) == peers.end() &&
-              ctx.cell(me, p)->ack.load(std::memory_order_acquire) <
-                  pack(seq, std::max<int64_t>(my_windows, 1)))
-            peers.push_back(p);
-        return peers;
-      });
+      "dispatch rows", [this](bool& progressed) { return step(progressed); }, [this] { return awaited(); });
+}
+
+void DispatchV2Call::stage(int64_t w) {
+  uint8_t* half = my_area + static_cast<size_t>(w % 2) * mine.geo.half_bytes;
+  const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
+  for (int64_t t = t0; t < t1; ++t) {
+    uint8_t* rec = half + static_cast<size_t>(t - t0) * mine.geo.row_stride;
+    uint8_t* meta = half + static_cast<size_t>(per_window) * mine.geo.row_stride +
+                    static_cast<size_t>(t - t0) * mine.geo.meta_stride;
+    const int32_t* ids = &in.ids[t * K];
+    std::memcpy(meta, ids, sizeof(int32_t) * K);
+    if (!in.expert_scales.empty())
+      std::memcpy(meta + 4 * K, &in.expert_scales[t * K], sizeof(float) * K);
+    else
+      std::memset(meta + 4 * K, 0, sizeof(float) * K);
+    const uint32_t act = in.active[t];
+    std::memcpy(meta + 8 * K, &act, 4);
+    if (!act) continue;
+    if (my_payloads == 1) {
+      make_payload(in, t, 0, rec, scratch, mine.geo.cache_resident);
+      continue;
+    }
+    for (int k = 0; k < K; ++k)
+      if (ids[k] >= 0)
+        make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch,
+                     mine.geo.cache_resident);
+    for (int s = 0; s < S; ++s)
+      make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch,
+                   mine.geo.cache_resident);
+  }
+}
+
+void DispatchV2Call::stage_next() {
+  stage(staged);
+  ++staged;
+  ctx.control(me)->stage_ready.store(pack(seq, staged), std::memory_order_seq_cst);
+}
+
+bool DispatchV2Call::acked_by_all(int64_t windows) const {
+  for (int p = 0; p < W; ++p)
+    if (dest[p] && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, windows)) return false;
+  return true;
+}
+
+bool DispatchV2Call::can_stage(int64_t w) const {
+  if (w < 2) return true;
+  return acked_by_all(w - 1) && (!inter || (sender->all_sent(w - 1) && sender->half_free(w)));
+}
+
+void DispatchV2Call::place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot,
+                           float escale) {
+  copy_row(out.expand_x + static_cast<size_t>(row) * f.data_bytes, payload, f.data_bytes);
+  if (f.scale_bytes)
+    std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, payload + f.data_bytes,
+                f.scale_bytes);
+  out.assist[3 * row] = src;
+  out.assist[3 * row + 1] = t;
+  out.assist[3 * row + 2] = slot;
+  if (out.expand_scales) out.expand_scales[row] = escale;
+}
+
+void DispatchV2Call::pull(int s, int64_t w) {
+  const SenderGeometry& g = geos[s];
+  const StagedWindow win = StagedWindow::of(ctx, s, w, g.geo, g.lane_half, g.net_meta, tokens_of[s]);
+  for (int64_t e = 0; e < win.count; ++e) {
+    const int64_t t = win.token(e);
+    const uint8_t* rec = win.payload(e);
+    const uint8_t* meta = win.meta(e);
+    uint32_t act;
+    std::memcpy(&act, meta + 8 * K, 4);
+    if (!act) continue;
+    if (shared) {
+      const size_t idx = g.payloads > 1 ? static_cast<size_t>(K + sexp) : 0;
+      place(cursor[s]++, rec + idx * g.payload_stride, s, static_cast<int32_t>(t), K + sexp, 1.0f);
+      continue;
+    }
+    for (int k = 0; k < K; ++k) {
+      int32_t e;
+      std::memcpy(&e, meta + 4 * k, 4);
+      const int el = e - m * lay.L;
+      if (e < 0 || el < 0 || el >= lay.L) continue;
+      float es;
+      std::memcpy(&es, meta + 4 * K + 4 * k, 4);
+      const size_t idx = g.payloads > 1 ? static_cast<size_t>(k) : 0;
+      place(cursor[static_cast<size_t>(el) * W + s]++, rec + idx * g.payload_stride, s,
+            static_cast<int32_t>(t), k, es);
+    }
+  }
+}
+
+bool DispatchV2Call::receives(int s, int d) const {
+  const int32_t* pc = peer_counts(ctx, s);
+  if (lay.is_shared(d)) return lay.shared_serves(d, s) && pc[E + kCountActive] > 0;
+  for (int el = 0; el < lay.L; ++el)
+    if (pc[(d - lay.Sr) * lay.L + el] > 0) return true;
+  return false;
+}
+
+bool DispatchV2Call::step(bool& progressed) {
+  if (inter) sender->send_staged(staged, progressed);
+  while (staged < my_windows && (!inter || sender->all_sent(staged)) && can_stage(staged)) {
+    stage_next();
+    for (int p = 0; p < W; ++p)
+      if (dest[p] && p != me && !ctx.remote(p)) ctx.notify(p);
+    progressed = true;
+  }
+  bool all = staged == my_windows && (my_windows == 0 || acked_by_all(my_windows));
+  if (inter)
+    all = acks->step(
+              progressed, [this](int s, int d) { return receives(s, d); },
+              [this](int s) { return windows_of(s); }) &&
+          all && sender->all_sent(my_windows) && sender->complete();
+  const bool pulled_all = serve_published_windows(ctx, me, &Control::stage_ready, &PeerCell::ack, pulled,
+                                                  nwin, progressed, [this](int s, int64_t w) { pull(s, w); });
+  return all && pulled_all;
+}
+
+std::vector<int> DispatchV2Call::awaited() const {
+  std::vector<int> peers;  // sources still to pull, then receivers whose acknowledgements we await
+  for (int s = 0; s < W; ++s)
+    if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
+  for (int p = 0; p < W; ++p)
+    if (dest[p] &&
+        ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, std::max<int64_t>(my_windows, 1)))
+      add_awaited(peers, p, me);
+  return peers;
+}
+
+}  // namespace
+
+void run_dispatch_v2(OpContext& ctx, const DispatchV2Input& in, DispatchV2Output& out,
+                     const std::function<void()>& on_moving) {
+  DispatchV2Call call(ctx, in, out);
+  call.count_own_rows();
+  call.set_up_internode();
+  call.exchange_headers();
+  call.check_sender_records();
+  call.plan_receive();
+  on_moving();
+  call.move_rows();
 }
 
 void run_dispatch_v2_tp(OpContext& tctx, const DispatchV2Input& in, DispatchV2Output& out,
