@@ -57,6 +57,75 @@ size_t compact_bytes(int64_t entries, size_t row_stride) {
   return compact_head(entries) + static_cast<size_t>(entries) * row_stride;
 }
 
+}  // namespace
+
+void prepare_combine_v2(CombineV2Input& in) {
+  const Layout& lay = in.lay;
+  const int W = lay.W, slots = lay.K + lay.S;
+  std::vector<int64_t> per_origin(W + 1, 0);
+  for (int64_t i = 0; i < in.n_own; ++i) {
+    const int32_t r = in.assist[3 * i], t = in.assist[3 * i + 1], slot = in.assist[3 * i + 2];
+    EPCOMM_CHECK(r >= 0 && r < W, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t, ", ",
+                 slot, "): source rank ", r, " outside [0, ", W, ")");
+    EPCOMM_CHECK(slot >= 0 && slot < slots, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
+                 ", ", slot, "): slot ", slot, " outside [0, K+S = ", slots, ")");
+    EPCOMM_CHECK(t >= 0 && t < lay.max_bs, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
+                 ", ", slot, "): token index ", t, " outside [0, maxBs = ", lay.max_bs, ")");
+    ++per_origin[r + 1];
+  }
+  for (int o = 0; o < W; ++o) per_origin[o + 1] += per_origin[o];
+  in.origin_offsets = per_origin;
+  in.origin_rows.assign(static_cast<size_t>(in.n_own), 0);
+  std::vector<int64_t> fill(per_origin.begin(), per_origin.end() - 1);
+  for (int64_t i = 0; i < in.n_own; ++i) in.origin_rows[fill[in.assist[3 * i]]++] = static_cast<int32_t>(i);
+  auto key = [&](int32_t i) {
+    return static_cast<int64_t>(in.assist[3 * i + 1]) * slots + in.assist[3 * i + 2];
+  };
+  for (int o = 0; o < W; ++o) {
+    auto b = in.origin_rows.begin() + per_origin[o], e = in.origin_rows.begin() + per_origin[o + 1];
+    std::stable_sort(b, e, [&](int32_t a, int32_t c) { return key(a) < key(c); });
+    for (auto it = b; it + 1 < e; ++it)
+      EPCOMM_CHECK(key(*it) != key(*(it + 1)), "argument: assist_info_for_combine: rows ", *it, " and ",
+                   *(it + 1), " both return (token ", in.assist[3 * *it + 1], ", slot ",
+                   in.assist[3 * *it + 2], ") to ep rank ", o, " (duplicate row)");
+  }
+}
+
+void run_combine_v2_tp(OpContext& tctx, const CombineV2Input& in, const uint8_t* expand_x, int64_t n_send,
+                       uint8_t* y, const std::function<void()>& on_moving) {
+  const size_t row = static_cast<size_t>(in.H) * 2;
+  const OpKind op = in.residual ? OpKind::combine_add_rms_norm : OpKind::combine_v2;
+  HeaderData& h = tctx.begin_header(op);
+  h.num_tokens = in.bs;
+  int32_t* c = put_params(tctx, in.params, 2);
+  c[0] = static_cast<int32_t>(in.n_own);
+  c[1] = static_cast<int32_t>(n_send);
+  tctx.publish_header();
+  tctx.exchange_headers();
+  check_params(tctx, op,
+               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
+                kParamDtype, kParamCommQuant, kParamEpRank},
+               true);
+  const int peer = 1 - tctx.rank();
+  const int32_t* pc = peer_counts(tctx, peer);
+  if (pc[1] != in.n_own || c[1] != pc[0])
+    EPCOMM_THROW(InvalidUsage, tctx.prefix(), "mismatch: tp_send_counts: this rank returns ", n_send,
+                 " rows to tp rank ", peer, ", which owns ", pc[0], " rows (its ep_send_counts); tp rank ",
+                 peer, " returns ", pc[1], " rows, this rank owns ", in.n_own);
+  on_moving();
+  if (in.n_own > 0) std::memcpy(y, expand_x, static_cast<size_t>(in.n_own) * row);  // y: null at 0 rows
+  pair_exchange(
+      tctx, "tp reduce", n_send, in.n_own, row,
+      [&](int64_t i, uint8_t* dst) {
+        std::memcpy(dst, expand_x + static_cast<size_t>(in.n_own + i) * row, row);
+      },
+      [&](int64_t i, const uint8_t* src) {
+        add_pair_row(in.dt, y + static_cast<size_t>(i) * row, src, in.H);
+      });
+}
+
+namespace {
+
 // One call's EP stage on this rank: the state its phases share. run_combine_v2 runs the phases in order,
 // each leaving what the next needs. As contributor we write our rows into the origins' windows; as origin we
 // open our windows and reduce them; internode, as proxy of rail peer o on node n, our node's rows for o's
@@ -557,71 +626,6 @@ std::vector<int> CombineV2Call::awaited() const {
 }
 
 }  // namespace
-
-void prepare_combine_v2(CombineV2Input& in) {
-  const Layout& lay = in.lay;
-  const int W = lay.W, slots = lay.K + lay.S;
-  std::vector<int64_t> per_origin(W + 1, 0);
-  for (int64_t i = 0; i < in.n_own; ++i) {
-    const int32_t r = in.assist[3 * i], t = in.assist[3 * i + 1], slot = in.assist[3 * i + 2];
-    EPCOMM_CHECK(r >= 0 && r < W, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t, ", ",
-                 slot, "): source rank ", r, " outside [0, ", W, ")");
-    EPCOMM_CHECK(slot >= 0 && slot < slots, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
-                 ", ", slot, "): slot ", slot, " outside [0, K+S = ", slots, ")");
-    EPCOMM_CHECK(t >= 0 && t < lay.max_bs, "argument: assist_info_for_combine: row ", i, " = (", r, ", ", t,
-                 ", ", slot, "): token index ", t, " outside [0, maxBs = ", lay.max_bs, ")");
-    ++per_origin[r + 1];
-  }
-  for (int o = 0; o < W; ++o) per_origin[o + 1] += per_origin[o];
-  in.origin_offsets = per_origin;
-  in.origin_rows.assign(static_cast<size_t>(in.n_own), 0);
-  std::vector<int64_t> fill(per_origin.begin(), per_origin.end() - 1);
-  for (int64_t i = 0; i < in.n_own; ++i) in.origin_rows[fill[in.assist[3 * i]]++] = static_cast<int32_t>(i);
-  auto key = [&](int32_t i) {
-    return static_cast<int64_t>(in.assist[3 * i + 1]) * slots + in.assist[3 * i + 2];
-  };
-  for (int o = 0; o < W; ++o) {
-    auto b = in.origin_rows.begin() + per_origin[o], e = in.origin_rows.begin() + per_origin[o + 1];
-    std::stable_sort(b, e, [&](int32_t a, int32_t c) { return key(a) < key(c); });
-    for (auto it = b; it + 1 < e; ++it)
-      EPCOMM_CHECK(key(*it) != key(*(it + 1)), "argument: assist_info_for_combine: rows ", *it, " and ",
-                   *(it + 1), " both return (token ", in.assist[3 * *it + 1], ", slot ",
-                   in.assist[3 * *it + 2], ") to ep rank ", o, " (duplicate row)");
-  }
-}
-
-void run_combine_v2_tp(OpContext& tctx, const CombineV2Input& in, const uint8_t* expand_x, int64_t n_send,
-                       uint8_t* y, const std::function<void()>& on_moving) {
-  const size_t row = static_cast<size_t>(in.H) * 2;
-  const OpKind op = in.residual ? OpKind::combine_add_rms_norm : OpKind::combine_v2;
-  HeaderData& h = tctx.begin_header(op);
-  h.num_tokens = in.bs;
-  int32_t* c = put_params(tctx, in.params, 2);
-  c[0] = static_cast<int32_t>(in.n_own);
-  c[1] = static_cast<int32_t>(n_send);
-  tctx.publish_header();
-  tctx.exchange_headers();
-  check_params(tctx, op,
-               {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
-                kParamDtype, kParamCommQuant, kParamEpRank},
-               true);
-  const int peer = 1 - tctx.rank();
-  const int32_t* pc = peer_counts(tctx, peer);
-  if (pc[1] != in.n_own || c[1] != pc[0])
-    EPCOMM_THROW(InvalidUsage, tctx.prefix(), "mismatch: tp_send_counts: this rank returns ", n_send,
-                 " rows to tp rank ", peer, ", which owns ", pc[0], " rows (its ep_send_counts); tp rank ",
-                 peer, " returns ", pc[1], " rows, this rank owns ", in.n_own);
-  on_moving();
-  if (in.n_own > 0) std::memcpy(y, expand_x, static_cast<size_t>(in.n_own) * row);  // y: null at 0 rows
-  pair_exchange(
-      tctx, "tp reduce", n_send, in.n_own, row,
-      [&](int64_t i, uint8_t* dst) {
-        std::memcpy(dst, expand_x + static_cast<size_t>(in.n_own + i) * row, row);
-      },
-      [&](int64_t i, const uint8_t* src) {
-        add_pair_row(in.dt, y + static_cast<size_t>(i) * row, src, in.H);
-      });
-}
 
 void run_combine_v2(OpContext& ctx, const CombineV2Input& in, const CombineV2Output& out,
                     const std::function<void()>& on_moving) {
