@@ -44,3 +44,21 @@ function(epcomm_add_multirank_test case)
     endforeach()
   endforeach()
 endfunction()
+
+# epcomm_scale_test_timeouts(): in sanitized builds (cmake/epcomm_sanitize.cmake), multiplies the TIMEOUT of
+# every test registered so far in the calling directory by EPCOMM_TEST_TIMEOUT_SCALE (instrumented code runs
+# slower). Call it at the end of each directory that registers tests (set_tests_properties only reaches
+# tests of its own directory).
+function(epcomm_scale_test_timeouts)
+  if(NOT EPCOMM_TEST_TIMEOUT_SCALE)
+    return()
+  endif()
+  get_property(names DIRECTORY PROPERTY TESTS)
+  foreach(name IN LISTS names)
+    get_test_property(${name} TIMEOUT limit)
+    if(limit)
+      math(EXPR limit "${limit} * ${EPCOMM_TEST_TIMEOUT_SCALE}")
+      set_tests_properties(${name} PROPERTIES TIMEOUT ${limit})
+    endif()
+  endforeach()
+endfunction()
