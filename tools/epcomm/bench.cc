@@ -15,8 +15,8 @@
 #include "bench_verify.h"
 #include "epcomm/buffer.h"
 #include "numerics.h"
-#include "quant/bench.h"
 #include "quant/block.h"
+#include "quant_bench.h"
 #include "rank_tools.h"
 #include "report.h"
 #include "subcommands.h"
@@ -778,7 +778,7 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   return all_ok ? kExitOk : kExitFail;
 }
 
-// `epcomm bench --quantizers`: quant/bench.h on this thread, one JSON line per algorithm and variant.
+// `epcomm bench --quantizers`: quant_bench.h on this thread, one JSON line per algorithm and variant.
 int run_quantizer_bench(const FlagParser& p) {
   for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
                            "num-rdma-bytes", "ranks-per-node", "launcher", "timeout", "warmup", "bootstrap",
@@ -796,10 +796,10 @@ int run_quantizer_bench(const FlagParser& p) {
   Progress progress("epcomm bench", !p.on("quiet"));
   progress.phase("quantizers: " + std::to_string(rows) + " x " + std::to_string(hidden) + " bf16, best of " +
                  std::to_string(iters) + " passes per algorithm, one thread");
-  const std::vector<quant::QuantBenchResult> results = quant::run_quant_benchmark(rows, hidden, iters);
+  const std::vector<QuantBenchResult> results = run_quant_benchmark(rows, hidden, iters);
   progress.phase("done");
-  for (const quant::QuantBenchResult& res : results) {
-    // Names are "<algo>", "<algo>.<variant>" or "<algo>.dequant" (quant/bench.h).
+  for (const QuantBenchResult& res : results) {
+    // Names are "<algo>", "<algo>.<variant>" or "<algo>.dequant" (quant_bench.h).
     const size_t dot = res.algo.find('.');
     const std::string algo = res.algo.substr(0, dot);
     const std::string suffix = dot == std::string::npos ? "" : res.algo.substr(dot + 1);

@@ -1,5 +1,5 @@
-// quant/bench.cc — the quantizer throughput benchmark of bench.h.
-#include "quant/bench.h"
+// tools/epcomm/quant_bench.cc — the quantizer throughput benchmark of quant_bench.h.
+#include "quant_bench.h"
 
 #include <algorithm>
 #include <chrono>
@@ -10,7 +10,9 @@
 #include "quant/block.h"
 #include "quant/element.h"
 
-namespace epcomm::quant {
+namespace epcomm::cli {
+using namespace quant;  // the algorithms under test, by their spec names
+
 namespace {
 
 double best_seconds(int iters, const std::function<void()>& pass) {
@@ -105,4 +107,4 @@ std::vector<QuantBenchResult> run_quant_benchmark(int64_t rows, int64_t hidden, 
   return res;
 }
 
-}  // namespace epcomm::quant
+}  // namespace epcomm::cli

@@ -1,12 +1,13 @@
-// quant/bench.h — single-thread throughput of every block quantizer and dequantizer on bf16 input, for the
-// `epcomm bench` command line (docs/quant.md). A measurement, not a test: it never asserts anything.
+// tools/epcomm/quant_bench.h — `epcomm bench --quantizers`: single-thread throughput of every block quantizer
+// and dequantizer of the library (quant/block.h) on bf16 input (docs/quant.md). A measurement, not a test: it
+// never asserts anything. It lives in the tool, not the library: it only calls quant/block.h.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace epcomm::quant {
+namespace epcomm::cli {
 
 struct QuantBenchResult {
   // Spec algorithm name (with its element format where the spec leaves it open, e.g. "fp8_per_token_e4m3");
@@ -21,4 +22,4 @@ struct QuantBenchResult {
 // mxfp4 is skipped for an odd hidden.
 std::vector<QuantBenchResult> run_quant_benchmark(int64_t rows, int64_t hidden, int iters);
 
-}  // namespace epcomm::quant
+}  // namespace epcomm::cli
