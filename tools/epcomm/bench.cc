@@ -829,6 +829,10 @@ int run_bench(int argc, char** argv) {
       "stdout) for each operation, receive order and token count. Progress lines go to stderr. Under\n"
       "mpirun (--bootstrap mpi, the default there) it also times the MPI_Alltoallv baseline. With\n"
       "--quantizers it benchmarks the block quantizers instead.");
+  p.add(
+      "api", "normal|distribute-v2", "normal",
+      "API family; distribute-v2 times dispatch_v2/combine_v2 instead (see 'epcomm bench --api distribute-v2 "
+      "--help')");
   add_run_flags(p, {2, 4096, 7168, 256, 8, 20, "", true});
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
   p.add("expert-alignment", "A", "1",

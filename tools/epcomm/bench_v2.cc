@@ -17,6 +17,7 @@
 #include "report.h"
 #include "run_options.h"
 #include "subcommands.h"
+#include "v2_flags.h"
 
 namespace epcomm::cli {
 namespace {
@@ -347,13 +348,15 @@ int run_bench_v2(int argc, char** argv) {
   p.add("topk", "K", "8", "experts per token");
   p.add("experts", "E", "256", "MoE experts (a multiple of ranks - shared-expert-ranks)");
   p.add("shared-expert-ranks", "N", "0", "shared-expert ranks (one shared expert, N replicas)");
-  p.add("quant-mode", "M", "2", "dispatch quant_mode 0-4 (2: per-token int8)");
+  add_v2_quant_flag(p, "2",
+                    "dispatch quant_mode: 0|none, 2|int8 (per-token int8), 3 (per-group-128 fp8 e4m3), "
+                    "4|mx_fp8_e4m3 (MXFP8 e4m3); not 1 (static int8 needs a scales input)");
   p.add("comm-quant-mode", "M", "0", "combine comm_quant_mode 0 or 2");
   p.add("dtype", "bf16|f16", "bf16", "token dtype");
   p.add("iters", "N", "20", "timed iterations");
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
   p.add("seed", "S", "1", "random seed");
-  p.add("segment-bytes", "BYTES", "64M", "shared-memory segment per rank (K, M, G suffixes)");
+  add_v2_segment_flag(p, "64M");
   p.add("ranks-per-node", "P", "0",
         "split the ranks into nodes of P that talk over UCX (virtual nodes; 0: EPCOMM_RANKS_PER_NODE, else "
         "by host)");
@@ -373,15 +376,14 @@ int run_bench_v2(int argc, char** argv) {
   o.topk = static_cast<int>(p.integer("topk", 1, 1024));
   o.experts = static_cast<int>(p.integer("experts", 1, 16000));
   o.shared_ranks = static_cast<int>(p.integer("shared-expert-ranks", 0, 1023));
-  o.quant_mode = static_cast<int>(p.integer("quant-mode", 0, 4));
+  o.quant_mode = v2_quant_mode(p, {0, 2, 3, 4}, "0, 2, 3 or 4 (mode 1 needs scales)");
   o.comm_quant = static_cast<int>(p.integer("comm-quant-mode", 0, 2));
   if (o.comm_quant == 1) throw UsageError(bad_value("comm-quant-mode", "0 or 2", "1"));
-  if (o.quant_mode == 1) throw UsageError(bad_value("quant-mode", "0, 2, 3 or 4 (mode 1 needs scales)", "1"));
   o.dtype = p.choice("dtype", {"bf16", "f16"}) == "bf16" ? DType::bf16 : DType::f16;
   o.iters = static_cast<int>(p.integer("iters", 1, 1000000));
   o.warmup = static_cast<int>(p.integer("warmup", 0, 1000000));
   o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
-  o.segment_bytes = p.given("segment-bytes") ? p.bytes("segment-bytes") : 0;
+  o.segment_bytes = p.given("num-nvl-bytes") ? p.bytes("num-nvl-bytes") : 0;
   o.ranks_per_node = static_cast<int>(p.integer("ranks-per-node", 0, 1024));
   o.num_rdma_bytes = p.given("num-rdma-bytes") ? p.bytes("num-rdma-bytes") : 0;
   o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;

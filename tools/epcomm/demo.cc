@@ -373,6 +373,9 @@ int run_demo(int argc, char** argv) {
   FlagParser p("epcomm demo", "epcomm demo [flags]",
                "Runs one Mixture-of-Experts layer forward over local ranks and checks it against a dense\n"
                "single-process reference; prints PASS/FAIL, timings and load balance.");
+  p.add("api", "normal|distribute-v2", "normal",
+        "API family; distribute-v2 runs the layer through dispatch_v2/combine_v2 instead (see 'epcomm demo "
+        "--api distribute-v2 --help')");
   add_run_flags(p, {4, 256, 1024, 32, 4, 1, "expert_major"});
   p.add("intermediate", "I", "256", "inner width of each SwiGLU expert");
   p.set_epilog(kDemoEpilog);

@@ -16,6 +16,7 @@
 #include "report.h"
 #include "run_options.h"
 #include "subcommands.h"
+#include "v2_flags.h"
 
 namespace epcomm::cli {
 namespace {
@@ -39,6 +40,7 @@ const char* kEpilog =
 struct DemoV2Options {
   int ranks = 4, experts = 6, topk = 2, shared_ranks = 1, quant_mode = 0;
   int64_t tokens = 32, hidden = 256, intermediate = 128;
+  int64_t segment_bytes = 0;  // 0: 64 MiB
   DType dtype = DType::bf16;
   uint64_t seed = 1;
   Launcher launcher = Launcher::fork;
@@ -88,6 +90,7 @@ int demo_rank_v2(const DemoV2Options& o, std::unique_ptr<Bootstrap> bootstrap) {
   Progress progress("epcomm demo", r == 0 && !o.quiet);
   moe::GroupContextOptions co;
   co.timeout_s = o.timeout_s;
+  co.segment_bytes = o.segment_bytes;
   moe::init_group_context(*group, co);
   const int64_t T = o.tokens, H = o.hidden;
   const int K = o.topk, L = o.experts / (W - Sr);
@@ -237,9 +240,10 @@ int run_demo_v2(int argc, char** argv) {
   p.add("experts", "E", "6", "routed experts (a multiple of ranks - shared-expert-ranks)");
   p.add("topk", "K", "2", "routed experts per token");
   p.add("shared-expert-ranks", "N", "1", "ranks serving the shared expert (0: none)");
-  p.add("quant-mode", "0|2", "0", "dispatch quant_mode (2: per-token int8)");
+  add_v2_quant_flag(p, "0", "dispatch quant_mode: 0|none, or 2|int8 (per-token int8)");
   p.add("dtype", "bf16|f16", "bf16", "token dtype");
   p.add("seed", "S", "1", "random seed");
+  add_v2_segment_flag(p, "64M");
   p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
   p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
   p.add_switch("quiet", "no progress lines on stderr");
@@ -256,8 +260,8 @@ int run_demo_v2(int argc, char** argv) {
   o.experts = static_cast<int>(p.integer("experts", 1, 4096));
   o.topk = static_cast<int>(p.integer("topk", 1, 64));
   o.shared_ranks = static_cast<int>(p.integer("shared-expert-ranks", 0, 1023));
-  o.quant_mode = static_cast<int>(p.integer("quant-mode", 0, 2));
-  if (o.quant_mode == 1) throw UsageError(bad_value("quant-mode", "0 or 2", "1"));
+  o.quant_mode = v2_quant_mode(p, {0, 2}, "0 or 2");
+  o.segment_bytes = p.given("num-nvl-bytes") ? p.bytes("num-nvl-bytes") : 0;
   o.dtype = p.choice("dtype", {"bf16", "f16"}) == "bf16" ? DType::bf16 : DType::f16;
   o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
   o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;

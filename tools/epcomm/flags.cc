@@ -25,6 +25,22 @@ void FlagParser::add_switch(const std::string& name, const std::string& help) {
   specs_.push_back({name, "", "", help, true});
 }
 
+void FlagParser::add_alias(const std::string& alias, const std::string& target) {
+  const Spec* t = find(target);
+  if (!t || !t->alias_of.empty()) throw std::logic_error("add_alias: no flag --" + target);
+  specs_.push_back({alias, t->metavar, "", "alias of --" + target, t->is_switch, target});
+}
+
+std::string FlagParser::target_of(const std::string& name) const {
+  const Spec* spec = find(name);
+  return spec && !spec->alias_of.empty() ? spec->alias_of : name;
+}
+
+std::string FlagParser::spelled(const std::string& name) const {
+  auto it = spelling_.find(target_of(name));
+  return it != spelling_.end() ? it->second : name;
+}
+
 const FlagParser::Spec* FlagParser::find(const std::string& name) const {
   for (const Spec& s : specs_)
     if (s.name == name) return &s;
@@ -54,15 +70,26 @@ bool FlagParser::parse(int argc, char** argv) {
         throw UsageError("--" + name + ": expected a value (" + spec->metavar + "), got none");
       value = argv[++i];
     }
-    if (values_.count(name)) throw UsageError("--" + name + " given twice");
-    values_[name] = value;
+    const std::string flag = spec->alias_of.empty() ? name : spec->alias_of;
+    if (auto it = values_.find(flag); it != values_.end()) {
+      const std::string& first = spelling_.at(flag);
+      if (first == name) throw UsageError("--" + name + " given twice");
+      if (it->second != value) {
+        const std::string& alias = first == flag ? name : first;
+        throw UsageError("--" + first + " '" + it->second + "' and --" + name + " '" + value +
+                         "' disagree (--" + alias + " is an alias of --" + flag + "; give one of them)");
+      }
+      continue;  // the same value under both spellings
+    }
+    values_[flag] = value;
+    spelling_[flag] = name;
   }
   return true;
 }
 
 std::string FlagParser::str(const std::string& name) const {
-  if (auto it = values_.find(name); it != values_.end()) return it->second;
-  const Spec* spec = find(name);
+  if (auto it = values_.find(target_of(name)); it != values_.end()) return it->second;
+  const Spec* spec = find(target_of(name));
   return spec ? spec->default_text : std::string();
 }
 
@@ -82,7 +109,7 @@ int64_t FlagParser::integer(const std::string& name, int64_t min, int64_t max) c
   std::string range = max == INT64_MAX
                           ? "an integer >= " + std::to_string(min)
                           : "an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
-  if (!parse_int(text, v) || v < min || v > max) throw UsageError(bad_value(name, range, text));
+  if (!parse_int(text, v) || v < min || v > max) throw UsageError(bad_value(spelled(name), range, text));
   return v;
 }
 
@@ -95,10 +122,10 @@ std::vector<int64_t> FlagParser::integer_list(const std::string& name, int64_t m
   std::string item;
   while (std::getline(ss, item, ',')) {
     int64_t v = 0;
-    if (!parse_int(item, v) || v < min || v > max) throw UsageError(bad_value(name, expected, text));
+    if (!parse_int(item, v) || v < min || v > max) throw UsageError(bad_value(spelled(name), expected, text));
     out.push_back(v);
   }
-  if (out.empty() || text.back() == ',') throw UsageError(bad_value(name, expected, text));
+  if (out.empty() || text.back() == ',') throw UsageError(bad_value(spelled(name), expected, text));
   return out;
 }
 
@@ -115,7 +142,8 @@ int64_t FlagParser::bytes(const std::string& name) const {
   }
   int64_t v = 0;
   if (!parse_int(digits, v) || v < 0 || v > (INT64_MAX >> 31))
-    throw UsageError(bad_value(name, "a byte count >= 0 with an optional K, M or G suffix (e.g. 64M)", text));
+    throw UsageError(
+        bad_value(spelled(name), "a byte count >= 0 with an optional K, M or G suffix (e.g. 64M)", text));
   return v << shift;
 }
 
@@ -124,7 +152,7 @@ double FlagParser::seconds(const std::string& name) const {
   char* end = nullptr;
   double v = std::strtod(text.c_str(), &end);
   if (text.empty() || *end != '\0' || !(v > 0) || !std::isfinite(v))
-    throw UsageError(bad_value(name, "a positive number of seconds", text));
+    throw UsageError(bad_value(spelled(name), "a positive number of seconds", text));
   return v;
 }
 
@@ -135,7 +163,7 @@ std::string FlagParser::choice(const std::string& name, const std::vector<std::s
     if (c == text) return text;
     list += (list.empty() ? "" : "|") + c;
   }
-  throw UsageError(bad_value(name, "one of " + list, text));
+  throw UsageError(bad_value(spelled(name), "one of " + list, text));
 }
 
 std::string FlagParser::help() const {

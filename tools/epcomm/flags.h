@@ -22,7 +22,8 @@ class UsageError : public std::runtime_error {
 };
 
 // Flags are `--name value` or `--name=value`; switches are `--name`. `--help`/`-h` is always accepted.
-// Not thread-safe; one parser per command invocation.
+// An alias is a second spelling of a flag: it shares the flag's value, and every accessor answers the same
+// for either name. Not thread-safe; one parser per command invocation.
 class FlagParser {
  public:
   FlagParser(std::string command, std::string usage, std::string summary);
@@ -30,13 +31,17 @@ class FlagParser {
   void add(const std::string& name, const std::string& metavar, const std::string& default_text,
            const std::string& help);
   void add_switch(const std::string& name, const std::string& help);
+  // `--alias` is another spelling of the flag or switch `target` (already added); help lists it as
+  // "alias of --target". Giving both with different values is a UsageError naming both.
+  void add_alias(const std::string& alias, const std::string& target);
   void set_epilog(std::string epilog) { epilog_ = std::move(epilog); }
 
   // Throws UsageError for an unknown flag, a missing value or a positional argument. Returns false when
   // --help was given (the caller prints help() and exits 0).
   bool parse(int argc, char** argv);
 
-  bool given(const std::string& name) const { return values_.count(name) != 0; }
+  // Every accessor takes the flag's name or an alias of it.
+  bool given(const std::string& name) const { return values_.count(target_of(name)) != 0; }
   bool on(const std::string& name) const { return given(name); }  // for switches
   // The value given, else the default text.
   std::string str(const std::string& name) const;
@@ -51,6 +56,10 @@ class FlagParser {
   // One of `choices`; otherwise a UsageError listing them.
   std::string choice(const std::string& name, const std::vector<std::string>& choices) const;
 
+  // The spelling the command line used for the flag (the alias when the alias was given), else `name`:
+  // what an error message should name.
+  std::string spelled(const std::string& name) const;
+
   const std::string& command() const { return command_; }
   std::string help() const;
 
@@ -58,12 +67,15 @@ class FlagParser {
   struct Spec {
     std::string name, metavar, default_text, help;
     bool is_switch = false;
+    std::string alias_of;  // non-empty: this spec is an alias of that flag
   };
   const Spec* find(const std::string& name) const;
+  std::string target_of(const std::string& name) const;  // an alias's flag, else name itself
 
   std::string command_, usage_, summary_, epilog_;
   std::vector<Spec> specs_;
-  std::map<std::string, std::string> values_;
+  std::map<std::string, std::string> values_;    // by flag name (aliases resolved)
+  std::map<std::string, std::string> spelling_;  // by flag name: the name or alias the command line used
 };
 
 // Formats "--name: expected <expected>, got '<actual>'".
