@@ -1,22 +1,39 @@
 """epcomm.Group: the ranks of a torch.distributed process group, as the C++ core sees them. The core only
 uses the group to exchange connection data while Buffers are created (all-gather of bytes, barrier); it
 never carries payload."""
+import collections
+
 import torch
 import torch.distributed as dist
 
 from . import _C
 
 
+# The last exchanges' gloo work objects, with their tensors. gloo's worker thread drops its reference to a
+# collective's work a little after the call returns, and the work may hold tensors whose Python objects torch
+# keeps alive: freeing those needs the interpreter, and a thread that asks for it while the interpreter shuts
+# down is ended by CPython, which aborts the process ("terminate called without an active exception"). Held
+# here, the works are freed by this thread: when they leave this queue, or in the interpreter's own teardown.
+_recent_exchanges = collections.deque(maxlen=64)
+
+
 def _all_gather_bytes(pg, data):
     n = dist.get_world_size(pg)
-    # A tensor that owns its memory: one viewing a Python bytearray would need the interpreter when gloo frees
-    # it, which may happen on one of gloo's threads while or after the interpreter shuts down (abort at exit).
+    # A tensor that owns its memory (one viewing a Python bytearray would need the interpreter to be freed).
     mine = torch.empty(len(data), dtype=torch.uint8)
     if data:
         mine.numpy()[:] = memoryview(data).cast("B")
     out = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(out, mine, group=pg)
+    work = dist.all_gather(out, mine, group=pg, async_op=True)
+    _recent_exchanges.append((work, mine, out))
+    work.wait()
     return b"".join(t.numpy().tobytes() for t in out)
+
+
+def _barrier(pg):
+    work = dist.barrier(group=pg, async_op=True)
+    _recent_exchanges.append((work,))  # freed by this thread, as above
+    work.wait()
 
 
 class Group:
@@ -34,7 +51,7 @@ class Group:
         if rank < 0:
             raise _invalid("Group: this process is not a member of the given process group")
         self._c = _C.Group.from_callbacks(
-            rank, size, lambda b: _all_gather_bytes(pg, b), lambda: dist.barrier(group=pg)
+            rank, size, lambda b: _all_gather_bytes(pg, b), lambda: _barrier(pg)
         )
 
     @property
