@@ -5,9 +5,9 @@ for it: every output (rows, order, PAD rows, lists, handle accessors, combine bi
 
 How data moves (rows travel as bytes through all_to_all_single with uneven splits: gloo has no all_to_all of
 lists, and its dtype support varies between torch versions):
-- every collective call starts with dist.all_gather_object of a header (operation, sequence number, the
-  parameters that must match, this rank's validation status and message, and for a fresh dispatch its
-  per-expert and per-rank counts); a failed rank or a mismatch makes every rank raise, before data moves;
+- every collective call starts with an all-gather of a pickled header (group.all_gather_object: operation,
+  sequence number, the parameters that must match, this rank's validation status and message, and for a
+  fresh dispatch its per-expert and per-rank counts); a failed rank or a mismatch makes every rank raise, before data moves;
 - dispatch sends, per destination rank, one uint8 record per row (payload bytes, then the routing: source
   token, slot and weight in expert_major; source token, local ids and weights in rank_major) with one
   dist.all_to_all_single; the receiver places each record at the row the spec assigns it;
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import _C
 from ._dtypes import TORCH_OF
 from ._errors import AbortedError, Error, InvalidUsageError, TimeoutError
+from .group import all_gather_object, kept_collective
 
 _ORDERS = ("expert_major", "rank_major")
 _ELEM = {"bf16": 2, "f16": 2, "f32": 4, "i8": 1, "u8": 1, "i32": 4, "i64": 8, "bool": 1,
@@ -280,7 +281,7 @@ class AllToAllStrategy:
         self.destroyed = False
         self.failed = None
         sizes = [None] * self.num_ranks
-        dist.all_gather_object(sizes, (num_nvl_bytes, num_rdma_bytes, ranks_per_node), group=pg)
+        all_gather_object(sizes, (num_nvl_bytes, num_rdma_bytes, ranks_per_node), group=pg)
         for i, name in enumerate(("num_nvl_bytes", "num_rdma_bytes", "ranks_per_node")):
             values = [s[i] for s in sizes]
             if len(set(values)) > 1:
@@ -324,7 +325,7 @@ class AllToAllStrategy:
         """All-gathers the headers; raises this rank's own failure, a peer's (Aborted), or a mismatch."""
         header = dict(header, seq=self.seq, failed=None if failure is None else str(failure.error))
         headers = [None] * self.num_ranks
-        self._collective(dist.all_gather_object, headers, header)
+        self._collective(all_gather_object, headers, header)
         if failure is not None:
             raise failure.error
         for r, h in enumerate(headers):
@@ -393,7 +394,8 @@ class AllToAllStrategy:
         if self.num_ranks == 1:
             out.copy_(rows)
             return out
-        self._collective(dist.all_to_all_single, out, rows.contiguous(), list(recv_splits), list(send_splits))
+        self._collective(kept_collective, dist.all_to_all_single, out, rows.contiguous(), list(recv_splits),
+                         list(send_splits))
         return out
 
     # ---- get_dispatch_layout ---------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 uses the group to exchange connection data while Buffers are created (all-gather of bytes, barrier); it
 never carries payload."""
 import collections
+import pickle
+import struct
 
 import torch
 import torch.distributed as dist
@@ -17,23 +19,42 @@ from . import _C
 _recent_exchanges = collections.deque(maxlen=64)
 
 
+def kept_collective(fn, *args, **kwargs):
+    """Runs the torch.distributed collective fn(*args, **kwargs) with async_op=True and waits for it; its work
+    and arguments stay in _recent_exchanges, so that this thread frees them (see above)."""
+    work = fn(*args, async_op=True, **kwargs)
+    _recent_exchanges.append((work, args))
+    work.wait()
+
+
 def _all_gather_bytes(pg, data):
+    """Equal-length byte strings of every rank, concatenated in rank order."""
     n = dist.get_world_size(pg)
     # A tensor that owns its memory (one viewing a Python bytearray would need the interpreter to be freed).
     mine = torch.empty(len(data), dtype=torch.uint8)
     if data:
         mine.numpy()[:] = memoryview(data).cast("B")
     out = [torch.empty_like(mine) for _ in range(n)]
-    work = dist.all_gather(out, mine, group=pg, async_op=True)
-    _recent_exchanges.append((work, mine, out))
-    work.wait()
+    kept_collective(dist.all_gather, out, mine, group=pg)
     return b"".join(t.numpy().tobytes() for t in out)
 
 
+def all_gather_object(out, obj, group=None):
+    """torch.distributed.all_gather_object's contract (out[r] = rank r's obj, pickled), through
+    kept_collective: a length exchange, then the pickles padded to the longest."""
+    pg = group if group is not None else dist.group.WORLD
+    n = dist.get_world_size(pg)
+    data = pickle.dumps(obj)
+    lengths = _all_gather_bytes(pg, struct.pack("<q", len(data)))
+    sizes = [struct.unpack_from("<q", lengths, 8 * r)[0] for r in range(n)]
+    width = max(sizes)
+    blob = _all_gather_bytes(pg, data + bytes(width - len(data)))
+    for r in range(n):
+        out[r] = pickle.loads(blob[r * width:r * width + sizes[r]])
+
+
 def _barrier(pg):
-    work = dist.barrier(group=pg, async_op=True)
-    _recent_exchanges.append((work,))  # freed by this thread, as above
-    work.wait()
+    kept_collective(dist.barrier, group=pg)
 
 
 class Group:
