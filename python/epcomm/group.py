@@ -16,7 +16,9 @@ from . import _C
 # keeps alive: freeing those needs the interpreter, and a thread that asks for it while the interpreter shuts
 # down is ended by CPython, which aborts the process ("terminate called without an active exception"). Held
 # here, the works are freed by this thread: when they leave this queue, or in the interpreter's own teardown.
-_recent_exchanges = collections.deque(maxlen=64)
+# Only the last few are needed (a work is freed by gloo's thread soon after it completes); each entry keeps its
+# tensors alive until it leaves, so the queue is short: the alltoall strategy passes payload tensors here.
+_recent_exchanges = collections.deque(maxlen=8)
 
 
 def kept_collective(fn, *args, **kwargs):

@@ -15,6 +15,7 @@
 #include "engine/combine_forward.h"
 #include "engine/dispatch.h"
 #include "engine/kernels.h"
+#include "engine/window_serve.h"
 #include "tensor/output_arena.h"
 
 namespace epcomm::engine {
@@ -399,20 +400,13 @@ void CombineCall::open_window(bool& progressed) {
 
 // Fills every origin's open windows; true once all are filled.
 bool CombineCall::fill_origins(bool& progressed) {
-  bool all = true;
-  for (int s : ctx_.arrival_order()) {
-    while (filled_[s] < nwin_[s] &&
-           ctx_.control(s)->combine_open.load(std::memory_order_acquire) >= pack(seq_, filled_[s] + 1)) {
-      fill(s, filled_[s]);
-      ++filled_[s];
-      ctx_.signal(ctx_.cell(s, me_)->done, pack(seq_, filled_[s]), s);
-      progressed = true;
-      if (filled_[s] == nwin_[s])
-        done_us_[s] = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start_).count();
-    }
-    all = all && filled_[s] == nwin_[s];
-  }
-  return all;
+  return serve_published_windows(
+      ctx_, me_, &Control::combine_open, &PeerCell::done, filled_, nwin_, progressed, [&](int s, int64_t w) {
+        fill(s, w);
+        if (w + 1 == nwin_[s])
+          done_us_[s] =
+              std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t_start_).count();
+      });
 }
 
 // Lending our shared rows to origin s: until it has closed its windows.
@@ -443,17 +437,14 @@ bool CombineCall::data_step(bool& progressed) {
 
 std::vector<int> CombineCall::awaited_peers() const {
   std::vector<int> peers;
-  auto add = [&](int p) {
-    if (std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
-  };
   for (int s = 0; s < R_; ++s)
-    if (filled_[s] < nwin_[s] && s != me_) peers.push_back(s);
+    if (filled_[s] < nwin_[s]) add_awaited(peers, s, me_);
   for (int s = 0; s < R_; ++s)  // origins still reading our shared rows
-    if (lending(s)) add(s);
+    if (lending(s)) add_awaited(peers, s, me_);
   if (reduced_ < opened_)
     for (int p = 0; p < R_; ++p)
-      if (hd_.tokens_per_rank[p] > 0 && p != me_ && ctx_.cell(me_, p)->done.load() < pack(seq_, reduced_ + 1))
-        add(p);
+      if (hd_.tokens_per_rank[p] > 0 && ctx_.cell(me_, p)->done.load() < pack(seq_, reduced_ + 1))
+        add_awaited(peers, p, me_);
   return peers;
 }
 

@@ -9,6 +9,7 @@
 
 #include "common/env.h"
 #include "engine/kernels.h"
+#include "engine/window_serve.h"
 #include "tensor/output_arena.h"
 
 namespace epcomm::engine {
@@ -321,9 +322,9 @@ std::vector<int> DirectCombine::open_origins() const {
 std::vector<int> DirectCombine::awaited_peers() const {
   std::vector<int> peers = open_origins();
   for (int p = 0; p < R_; ++p)  // helpers still reducing tokens of ours
-    if (p != me_ && count_of(ctx_.cell(me_, p)->share_claimed.load(), seq_) !=
-                        count_of(ctx_.cell(me_, p)->share_done.load(), seq_))
-      peers.push_back(p);
+    if (count_of(ctx_.cell(me_, p)->share_claimed.load(), seq_) !=
+        count_of(ctx_.cell(me_, p)->share_done.load(), seq_))
+      add_awaited(peers, p, me_);
   return peers;
 }
 

@@ -21,6 +21,7 @@
 
 #include "engine/forward.h"
 #include "engine/kernels.h"
+#include "engine/window_serve.h"
 #include "quant/row.h"
 #include "routing/layout.h"
 #include "tensor/output_arena.h"
@@ -863,15 +864,10 @@ bool DispatchCall::can_stage(int64_t w) const {
 
 // Every source's staged windows that are out; true once all are read and, pushing, its rows written.
 bool DispatchCall::pull_sources(bool& progressed) {
+  serve_published_windows(ctx_, me_, &Control::stage_ready, &PeerCell::ack, pulled_, nwin_, progressed,
+                          [&](int s, int64_t w) { pull(s, w); });
   bool all = true;
-  for (int s : ctx_.arrival_order()) {
-    while (pulled_[s] < nwin_[s] &&
-           ctx_.control(s)->stage_ready.load(std::memory_order_acquire) >= pack(seq_, pulled_[s] + 1)) {
-      pull(s, pulled_[s]);
-      ++pulled_[s];
-      ctx_.signal(ctx_.cell(s, me_)->ack, pack(seq_, pulled_[s]), s);
-      progressed = true;
-    }
+  for (int s = 0; s < R_; ++s) {
     const bool done = pulled_[s] == nwin_[s] && (!push_ || nwin_[s] == 0 || pushed_by(s));
     if (done && done_us_[s] < 0) done_us_[s] = elapsed_us(Clock::now());
     all = all && done;
@@ -926,17 +922,14 @@ bool DispatchCall::data_step(bool& progressed) {
 // receivers whose acknowledgements block our staging.
 std::vector<int> DispatchCall::awaited_peers() const {
   std::vector<int> peers;
-  auto add = [&](int p) {
-    if (std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
-  };
   for (int s = 0; s < R_; ++s)
-    if ((pulled_[s] < nwin_[s] || (push_ && nwin_[s] > 0 && !pushed_by(s))) && s != me_) peers.push_back(s);
+    if (pulled_[s] < nwin_[s] || (push_ && nwin_[s] > 0 && !pushed_by(s))) add_awaited(peers, s, me_);
   if (push_left_ > 0)
     for (int d = 0; d < R_; ++d)
-      if (d != me_ && (*my_dest_tokens_)[d] > 0 && !pushed_to_[d] && !out_ready(d)) add(d);
+      if ((*my_dest_tokens_)[d] > 0 && !pushed_to_[d] && !out_ready(d)) add_awaited(peers, d, me_);
   if (!(staged_ == my_nwin_ && can_stage(my_nwin_ + 1)))
     for (int p = 0; p < R_; ++p)
-      if ((*my_dest_tokens_)[p] > 0 && p != me_) add(p);
+      if ((*my_dest_tokens_)[p] > 0) add_awaited(peers, p, me_);
   return peers;
 }
 
