@@ -17,6 +17,7 @@
 #include "epcomm/error.h"
 #include "epcomm/event.h"
 #include "epcomm/group.h"
+#include "epcomm/low_latency.h"
 #include "epcomm/tensor.h"
 #include "epcomm/types.h"
 
@@ -31,7 +32,7 @@ struct Payload {
 struct BufferOptions {
   int64_t num_nvl_bytes = 0;      // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
   int64_t num_rdma_bytes = 0;     // internode staging (unused on one node); equal on all ranks.
-  bool low_latency_mode = false;  // true is not supported
+  bool low_latency_mode = false;  // enables the low-latency calls (docs/low-latency.md)
   bool enable_shrink = false;     // true is not supported
   ReceiveOrder receive_order = ReceiveOrder::expert_major;
   int ranks_per_node = 0;                // 0 = one node per host
@@ -59,6 +60,9 @@ struct BufferOptions {
   // allocator and dispatch copies every row through the segment). Output memory reserved with
   // num_output_reserve_bytes is then carved from the arena and mapped by the peers up front.
   int64_t num_output_arena_bytes = -1;
+  // The contract a language front speaks ("ascend", "deepep"; empty for C++ callers): compared across
+  // ranks at creation, so that ranks of different flavors fail there instead of in a call.
+  std::string flavor;
 };
 
 // What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.
@@ -179,6 +183,15 @@ class Buffer {
   // the peers' same call raises Aborted quoting `message`, and throws Error(code, "<prefix><message>") here.
   // The Buffer stays usable; the next call pairs with the peers' next call.
   [[noreturn]] void fail_call(const std::string& op, ErrorCode code, const std::string& message);
+
+  // Low-latency mode (docs/low-latency.md; BufferOptions::low_latency_mode = true), DeepEP's layout.
+  // Collective, in call order with dispatch and combine (the two modes interleave freely on one Buffer).
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
+  // A new [L, R * T_max, H] bf16 tensor in this rank's output arena (its peers read it in place): write the
+  // expert outputs there and pass it as LowLatencyCombineArgs::x, and combine reads every row straight from
+  // it with no copy. Local.
+  Tensor low_latency_combine_buffer(const Handle& handle);
   // A [handle.num_rows, hidden] tensor of `dtype` (bf16, f16 or f32) at the start of this rank's shared
   // combine-input area (BufferOptions::num_combine_input_bytes; InvalidUsage when it is too small). Write the
   // expert outputs there and pass it (or its first rows' view) as CombineArgs::x: on one node combine then

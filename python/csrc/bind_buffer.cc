@@ -52,7 +52,8 @@ std::unique_ptr<PyBuffer> make_buffer(std::shared_ptr<Group> group, int64_t num_
                                       int64_t num_rdma_bytes, bool low_latency_mode, bool enable_shrink,
                                       const std::string& receive_order, int ranks_per_node,
                                       std::optional<double> timeout_s, int64_t num_combine_input_bytes,
-                                      int64_t num_dispatch_input_bytes, int64_t num_output_reserve_bytes) {
+                                      int64_t num_dispatch_input_bytes, int64_t num_output_reserve_bytes,
+                                      const std::string& flavor) {
   BufferOptions o;
   o.num_nvl_bytes = num_nvl_bytes;
   o.num_rdma_bytes = num_rdma_bytes;
@@ -64,6 +65,7 @@ std::unique_ptr<PyBuffer> make_buffer(std::shared_ptr<Group> group, int64_t num_
   o.num_combine_input_bytes = num_combine_input_bytes;
   o.num_dispatch_input_bytes = num_dispatch_input_bytes;
   o.num_output_reserve_bytes = num_output_reserve_bytes;
+  o.flavor = flavor;
   o.allocator = torch_allocator();
   auto b = std::make_unique<PyBuffer>();
   // Collective through the group's Python callbacks, which run on this thread: keep the GIL.
@@ -165,6 +167,61 @@ py::tuple combine(PyBuffer& self, const at::Tensor& x, const std::shared_ptr<PyH
   return py::make_tuple(to_torch(r.combined_x), tensor_or_none(r.combined_topk_weights), r.event);
 }
 
+// Returns (recv_x, recv_x_dtype, recv_scales, recv_count, src_info, layout_range, handle, event).
+py::tuple low_latency_dispatch(PyBuffer& self, const at::Tensor& x, const at::Tensor& topk_idx, int64_t t_max,
+                               int num_experts, const std::optional<at::Tensor>& cumulative_stats,
+                               const std::optional<at::Tensor>& wait_stats, bool use_fp8, bool round_scale,
+                               bool use_ue8m0, bool async_finish) {
+  LowLatencyDispatchArgs a;
+  try {
+    a.x = from_torch(x, "x");
+    a.topk_idx = from_torch(topk_idx, "topk_idx");
+    a.cumulative_local_expert_recv_stats = from_torch(cumulative_stats, "cumulative_local_expert_recv_stats");
+    a.dispatch_wait_recv_cost_stats = from_torch(wait_stats, "dispatch_wait_recv_cost_stats");
+  } catch (const Error& e) {
+    fail_collectively(self, "low_latency_dispatch", e);
+  }
+  a.num_max_dispatch_tokens_per_rank = t_max;
+  a.num_experts = num_experts;
+  a.use_fp8 = use_fp8;
+  a.round_scale = round_scale;
+  a.use_ue8m0 = use_ue8m0;
+  a.async_finish = async_finish;
+  LowLatencyDispatchResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = self.get().low_latency_dispatch(a);
+  }
+  return py::make_tuple(to_torch(r.recv_x), py::str(dtype_name(r.recv_x.dtype())),
+                        tensor_or_none(r.recv_scales), to_torch(r.recv_count), to_torch(r.src_info),
+                        to_torch(r.layout_range), py::cast(std::make_shared<PyHandle>(PyHandle{r.handle})),
+                        r.event);
+}
+
+py::tuple low_latency_combine(PyBuffer& self, const at::Tensor& x, const at::Tensor& topk_idx,
+                              const at::Tensor& topk_weights, const std::shared_ptr<PyHandle>& handle,
+                              bool async_finish, const std::optional<at::Tensor>& out,
+                              const std::optional<at::Tensor>& wait_stats) {
+  LowLatencyCombineArgs a;
+  try {
+    a.x = from_torch(x, "x");
+    a.topk_idx = from_torch(topk_idx, "topk_idx");
+    a.topk_weights = from_torch(topk_weights, "topk_weights");
+    a.out = from_torch(out, "out");
+    a.combine_wait_recv_cost_stats = from_torch(wait_stats, "combine_wait_recv_cost_stats");
+  } catch (const Error& e) {
+    fail_collectively(self, "low_latency_combine", e);
+  }
+  if (handle) a.handle = handle->handle;
+  a.async_finish = async_finish;
+  LowLatencyCombineResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = self.get().low_latency_combine(a);
+  }
+  return py::make_tuple(to_torch(r.combined_x), r.event);
+}
+
 void bind_handle(py::module_& m) {
   using H = PyHandle;
   auto tensor_of = [](Tensor (Handle::*f)() const) {
@@ -216,7 +273,21 @@ void bind_buffer(py::module_& m) {
       .def(py::init(&make_buffer), py::arg("group"), py::arg("num_nvl_bytes"), py::arg("num_rdma_bytes"),
            py::arg("low_latency_mode"), py::arg("enable_shrink"), py::arg("receive_order"),
            py::arg("ranks_per_node"), py::arg("timeout_s"), py::arg("num_combine_input_bytes") = 0,
-           py::arg("num_dispatch_input_bytes") = 0, py::arg("num_output_reserve_bytes") = 0)
+           py::arg("num_dispatch_input_bytes") = 0, py::arg("num_output_reserve_bytes") = 0,
+           py::arg("flavor") = std::string())
+      .def("low_latency_dispatch", &low_latency_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("t_max"),
+           py::arg("num_experts"), py::arg("cumulative_local_expert_recv_stats"),
+           py::arg("dispatch_wait_recv_cost_stats"), py::arg("use_fp8"), py::arg("round_scale"),
+           py::arg("use_ue8m0"), py::arg("async_finish"))
+      .def("low_latency_combine", &low_latency_combine, py::arg("x"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("handle"), py::arg("async_finish"), py::arg("out"),
+           py::arg("combine_wait_recv_cost_stats"))
+      .def(
+          "low_latency_combine_buffer",
+          [](PyBuffer& b, const PyHandle& h) {
+            return to_torch(b.get().low_latency_combine_buffer(*h.handle));
+          },
+          py::arg("handle"))
       .def_property_readonly("num_dispatch_input_bytes",
                              [](PyBuffer& b) { return b.get().num_dispatch_input_bytes(); })
       .def(

@@ -267,8 +267,6 @@ class AllToAllStrategy:
         self.rank = dist.get_rank(pg)
         self.num_ranks = dist.get_world_size(pg)
         pre = f"epcomm[rank {self.rank}] Buffer: "
-        if low_latency_mode:
-            raise InvalidUsageError(pre + "argument: low_latency_mode=True is not supported by epcomm")
         if enable_shrink:
             raise InvalidUsageError(pre + "argument: enable_shrink=True is not supported by epcomm")
         if receive_order not in _ORDERS:

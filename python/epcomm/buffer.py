@@ -21,6 +21,7 @@ from .group import Group, as_group
 from .compat import (apply_token_nums_type, default_receive_order, fold_expert_counts, long_seq_rounds,
                      per_round_expert_counts, resolve_flavor)
 from .handle import Handle
+from . import low_latency
 
 Config = _C.Config
 
@@ -138,7 +139,8 @@ class Buffer:
             g = as_group(group)
             self.group = g.process_group
             self._impl = _C.Buffer(g._c, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                   bool(enable_shrink), receive_order, ranks_per_node, timeout_s, *sizes)
+                                   bool(enable_shrink), receive_order, ranks_per_node, timeout_s, *sizes,
+                                   flavor=self.flavor)
         _live_buffers.add(self)
 
     # ---- accessors ---------------------------------------------------------------------------------------
@@ -222,8 +224,10 @@ class Buffer:
         return True
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(*args, **kwargs):
-        raise InvalidUsageError("get_low_latency_rdma_size_hint: low-latency mode is not supported by epcomm")
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        """The num_rdma_bytes with which every low-latency call with these parameters succeeds, on one node
+        or several, in every format (DeepEP's name and arguments; docs/low-latency.md)."""
+        return low_latency.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ---- lifetime ------------------------------------------------------------------------------------------
 
@@ -472,6 +476,60 @@ class Buffer:
                                            p["bias1"], p["config"], p["prev"], bool(async_finish),
                                            bool(allocate_on_comm_stream), combine_send_cost_stats)
         return out, w, EventOverlap(event)
+
+    # ---- low-latency mode (docs/low-latency.md) -----------------------------------------------------------
+
+    def _ll(self, op):
+        if not self.low_latency_mode:
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] {op}: argument: low_latency_mode: this Buffer was "
+                                    f"created with low_latency_mode=False; pass low_latency_mode=True")
+        if isinstance(self._impl, AllToAllStrategy):
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] {op}: low-latency mode runs on the shared-memory "
+                                    f"strategy; this Buffer uses DEEP_USE_MODE=alltoall")
+        if self.flavor == "ascend":
+            from . import ll_ascend
+
+            return ll_ascend
+        from . import ll_deepep
+
+        return ll_deepep
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *args, **kwargs):
+        """Collective. Low-latency dispatch of the Buffer's flavor: returns (recv_x, recv_count, handle, event,
+        hook). flavor "deepep": DeepEP's positional order and 3-D [L, R*T_max, H] outputs; flavor "ascend":
+        the Ascend port's order and 2-D rows in dispatch_v2 order (docs/low-latency.md)."""
+        return self._ll("low_latency_dispatch").dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                                          num_experts, *args, **kwargs)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *args, **kwargs):
+        """Collective. Low-latency combine of the Buffer's flavor: returns (combined_x, event, hook); the
+        weighted sum over each token's top-k slots of the expert outputs (docs/low-latency.md)."""
+        return self._ll("low_latency_combine").combine(self, x, topk_idx, topk_weights, handle, *args, **kwargs)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The tensor to write the expert outputs into for low_latency_combine(..., zero_copy=True): its peers
+        read it in place."""
+        return self._ll("get_next_low_latency_combine_buffer").combine_buffer(self, handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Accepted for DeepEP code: epcomm needs no cleaning between normal and low-latency calls. Validates
+        its arguments and returns."""
+        self._ll("clean_low_latency_buffer")
+        low_latency.check_ll_shape(num_max_dispatch_tokens_per_rank, hidden, self.num_ranks, num_experts,
+                                   f"epcomm[rank {self.rank}] clean_low_latency_buffer: ")
+
+    def _no_masks(self, op):
+        raise InvalidUsageError(f"epcomm[rank {self.rank}] {op}: rank masks (enable_shrink) are not supported "
+                                f"by epcomm yet (docs/low-latency.md, \"Not yet\")")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        self._no_masks("low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        self._no_masks("low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self):
+        self._no_masks("low_latency_clean_mask_buffer")
 
     def __repr__(self):
         return (f"epcomm.Buffer(rank={self.rank}, num_ranks={self.num_ranks}, flavor={self.flavor!r}, "

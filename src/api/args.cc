@@ -12,7 +12,6 @@
 #include "tensor/output_arena.h"
 
 namespace epcomm {
-namespace {
 
 // Where t's bytes start in this rank's output arena (one node, an arena, t non-empty and inside it), or -1:
 // peers of a combine can then read it in place.
@@ -21,6 +20,8 @@ int64_t arena_offset(const Buffer::Impl& b, const Tensor& t) {
   const auto arena = b.transport->output_arena();
   return arena ? arena->offset_of(t.data(), t.nbytes()) : -1;
 }
+
+namespace {
 
 std::string describe(const Tensor& t) {
   return detail::cat(dtype_name(t.dtype()), shape_str(t.shape()));
@@ -96,6 +97,8 @@ std::array<int32_t, 4> chunks_of(const std::optional<Config>& c) {
           cfg.num_max_rdma_chunked_send_tokens, cfg.num_max_rdma_chunked_recv_tokens};
 }
 
+}  // namespace
+
 const Handle::Impl& own_handle(const Buffer::Impl& b, const std::shared_ptr<const Handle>& h) {
   const Handle::Impl& hd = h->impl();
   EPCOMM_CHECK(hd.buffer_key == &b && !hd.buffer_alive.expired(),
@@ -109,6 +112,8 @@ const Handle::Impl& own_handle(const Buffer::Impl& b, const std::shared_ptr<cons
   }
   return hd;
 }
+
+namespace {
 
 [[noreturn]] void bad_tuple(const Payload& x) {
   EPCOMM_THROW(
@@ -237,7 +242,9 @@ void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
   f.scale_row_bytes = quant::row_scale_bytes(*mode, in.hidden);
   f.scale_cols = static_cast<int64_t>(f.scale_row_bytes / dtype_size(f.scale_dtype));
   using SS = engine::RowFormat::ScaleShape;
-  f.scale_shape = *mode == QuantMode::pergroup_fp8_e4m3                                 ? SS::mat
+  const bool group128 = *mode == QuantMode::pergroup_fp8_e4m3 || *mode == QuantMode::pergroup_fp8_e4m3_pow2 ||
+                        *mode == QuantMode::pergroup_fp8_e4m3_ue8m0;
+  f.scale_shape = group128                                                              ? SS::mat
                   : (*mode == QuantMode::int8 || *mode == QuantMode::pertoken_fp8_e4m3) ? SS::vec
                                                                                         : SS::flat;
 }

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "api/event_state.h"
 #include "api/internode_setup.h"
@@ -66,7 +67,6 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   } catch (const Error& e) {
     EPCOMM_THROW(InvalidUsage, pre, e.what());
   }
-  EPCOMM_CHECK(!options.low_latency_mode, pre, "argument: low_latency_mode=True is not supported by epcomm");
   EPCOMM_CHECK(!options.enable_shrink, pre, "argument: enable_shrink=True is not supported by epcomm");
   EPCOMM_CHECK(options.num_nvl_bytes >= 0, pre, "argument: num_nvl_bytes: expected >= 0, got ",
                options.num_nvl_bytes);
@@ -97,9 +97,19 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   struct Sizes {
     int64_t nvl, rdma;
     int32_t nodes, rpn;
-    int64_t input, dispatch_input;
-  } mine{options.num_nvl_bytes,           options.num_rdma_bytes,          b.num_nodes, P,
-         options.num_combine_input_bytes, options.num_dispatch_input_bytes};
+    int64_t input, dispatch_input, low_latency;
+    char flavor[16];
+  } mine{options.num_nvl_bytes,
+         options.num_rdma_bytes,
+         b.num_nodes,
+         P,
+         options.num_combine_input_bytes,
+         options.num_dispatch_input_bytes,
+         options.low_latency_mode,
+         {}};
+  EPCOMM_CHECK(options.flavor.size() < sizeof mine.flavor, pre, "argument: flavor: expected at most ",
+               sizeof mine.flavor - 1, " characters, got '", options.flavor, "'");
+  std::memcpy(mine.flavor, options.flavor.data(), options.flavor.size());
   std::vector<std::byte> bytes(sizeof(Sizes));
   std::memcpy(bytes.data(), &mine, sizeof(Sizes));
   auto all = group->bootstrap().all_gather(bytes);
@@ -119,10 +129,13 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                              {"num_rdma_bytes", [](const Sizes& s) { return s.rdma; }},
                              {"ranks_per_node", [](const Sizes& s) { return int64_t{s.rpn}; }},
                              {"num_combine_input_bytes", [](const Sizes& s) { return s.input; }},
-                             {"num_dispatch_input_bytes", [](const Sizes& s) { return s.dispatch_input; }}}) {
+                             {"num_dispatch_input_bytes", [](const Sizes& s) { return s.dispatch_input; }},
+                             {"low_latency_mode", [](const Sizes& s) { return s.low_latency; }}}) {
     auto [differ, s] = per_rank(field);
     EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", name, ": ", s);
   }
+  auto [flavors_differ, flavors] = per_rank([](const Sizes& s) { return std::string(s.flavor); });
+  EPCOMM_CHECK(!flavors_differ, pre, "mismatch: ranks disagree on flavor: ", flavors);
   const int64_t minimum =
       static_cast<int64_t>(engine::control_bytes(R)) + 4 * static_cast<int64_t>(engine::kAlign);
   EPCOMM_CHECK(b.nvl_bytes >= minimum, pre, "capacity: num_nvl_bytes = ", b.nvl_bytes,
@@ -414,10 +427,9 @@ static bool comm_thread_idle(Buffer::Impl& b) {
 // the communication thread is idle). A call this rank cannot run
 // (`failed_message` set by validation, or a failed previous_event) publishes a failed header instead.
 // Errors raised once data moves (after `on_shapes`), and timeouts, fail the Buffer and are published.
-template <typename Body>
-static std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
-                                                  std::optional<EventOverlap> previous,
-                                                  std::string failed_message, bool sync, Body body) {
+std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
+                                           std::optional<EventOverlap> previous, std::string failed_message,
+                                           bool sync, OpBody body) {
   auto st = std::make_shared<detail::EventState>();
   auto task = [&b, s, kind, previous, failed_message, body, st]() mutable {
     engine::OpContext ctx(*b.transport, b.layout, s, kind, b.timeout_s, b.inter.get());
@@ -621,9 +633,16 @@ void Buffer::fail_call(const std::string& op, ErrorCode code, const std::string&
   } else if (op == "combine") {
     kind = engine::OpKind::combine;
     opname = "combine";
+  } else if (op == "low_latency_dispatch" || op == "low_latency_combine") {
+    kind = op == "low_latency_dispatch" ? engine::OpKind::low_latency_dispatch
+                                        : engine::OpKind::low_latency_combine;
+    opname = engine::op_kind_name(kind);
   } else {
-    EPCOMM_CHECK(op == "dispatch", "epcomm[rank ", b.rank,
-                 "] fail_call: argument: op: expected dispatch, cached_dispatch or combine, got '", op, "'");
+    EPCOMM_CHECK(
+        op == "dispatch", "epcomm[rank ", b.rank,
+        "] fail_call: argument: op: expected dispatch, cached_dispatch, combine, low_latency_dispatch "
+        "or low_latency_combine, got '",
+        op, "'");
   }
   b.check_usable(opname);
   const uint64_t s = ++b.seq;

@@ -68,6 +68,21 @@ struct Buffer::Impl {
   }
 };
 
+namespace detail {
+struct EventState;
+}
+
+// One collective call's work on the communication thread: moves the data, calls on_shapes() once the
+// outputs exist (before any payload moves), returns the bytes of its outputs (for the debug log).
+using OpBody = std::function<int64_t(engine::OpContext&, const std::function<void()>& on_shapes)>;
+
+// Runs `body` for sequence number `s` on the communication thread (on the caller's thread when `sync` and
+// the communication thread is idle), under the Buffer's one failure policy (buffer.cc). A non-empty
+// `failed_message` (this rank's validation failed) publishes a failed header instead of running it.
+std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
+                                           std::optional<EventOverlap> previous, std::string failed_message,
+                                           bool sync, OpBody body);
+
 // Fills the engine input of a fresh or cached dispatch from the user's arguments; throws InvalidUsage
 // naming the argument, the expected and the actual value (no rank prefix: the caller adds it).
 void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
@@ -76,5 +91,9 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
 // The outputs that num_worst_tokens sizes are allocated before the call runs: InvalidUsage unless they
 // fit (below 2^31 rows, within the host's memory).
 void check_worst_case_outputs(const engine::DispatchInput& in);
+// The handle's Impl when it is one of this Buffer's (alive), after its dispatch's counts are known.
+const Handle::Impl& own_handle(const Buffer::Impl& b, const std::shared_ptr<const Handle>& h);
+// Offset of t's bytes in this rank's output arena, or -1 (no arena, several nodes, or t outside it).
+int64_t arena_offset(const Buffer::Impl& b, const Tensor& t);
 
 }  // namespace epcomm

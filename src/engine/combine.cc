@@ -129,7 +129,8 @@ CombineCall::CombineCall(OpContext& ctx, const CombineInput& in, CombineOutput& 
       wbytes_(in.has_recv_weights ? sizeof(float) * K_ : 0) {}
 
 void CombineCall::fill_header() {
-  HeaderData& h = ctx_.begin_header(OpKind::combine);
+  HeaderData& h =
+      ctx_.begin_header(hd_.expert_block_rows > 0 ? OpKind::low_latency_combine : OpKind::combine);
   h.order = static_cast<uint32_t>(hd_.order);
   h.flags = (hd_.has_topk ? kHasTopk : 0) | (in_.has_recv_weights ? kHasWeights : 0);
   h.num_experts = hd_.num_experts;
@@ -455,8 +456,8 @@ void CombineCall::move_rows() {
 }
 
 void CombineCall::finish() const {
-  if (expert_ && T_ * K_ > 0)
-    std::memcpy(cw_, in_.weights_used.data(), sizeof(float) * T_ * K_);  // cw: null at 0
+  if (expert_ && cw_ && T_ * K_ > 0)  // none in low-latency mode
+    std::memcpy(cw_, in_.weights_used.data(), sizeof(float) * T_ * K_);
   if (in_.cost_stats) add_cost_stats(*in_.cost_stats, done_us_);
 }
 

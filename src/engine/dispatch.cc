@@ -17,6 +17,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <numeric>
 #include <optional>
 
 #include "engine/forward.h"
@@ -92,6 +93,10 @@ struct Outputs {
       const uint32_t bits = std::bit_cast<uint32_t>(w[k]) & ~static_cast<uint32_t>(kept(k, ids[k] - base));
       wr[k] = std::bit_cast<float>(bits);
     }
+  }
+  // The unwritten rows of a low-latency block: source -1 only (their payload is unspecified).
+  void clear_sources(int64_t begin, int64_t end) const {
+    for (int64_t r = begin; r < end; ++r) src_rank[r] = src_token[r] = src_slot[r] = -1;
   }
   // PAD and tail rows: zero payload, ids -1, weights +0, source -1.
   void fill_empty(int64_t begin, int64_t end) const {
@@ -269,6 +274,8 @@ void check_headers_match(const OpContext& ctx) {
   report("presence of topk_idx", [](const HeaderData* h) { return (h->flags & kHasTopk) != 0; });
   report("presence of weights", [](const HeaderData* h) { return (h->flags & kHasWeights) != 0; });
   report("expert_alignment", [](const HeaderData* h) { return h->expert_alignment; });
+  report("num_max_dispatch_tokens_per_rank (low-latency mode)",
+         [R](const HeaderData* h) { return h->expert_block_rows / R; });
   report("config.num_max_nvl_chunked_send_tokens", [](const HeaderData* h) { return h->chunks[0]; });
   report("config.num_max_nvl_chunked_recv_tokens", [](const HeaderData* h) { return h->chunks[1]; });
   report("config.num_max_rdma_chunked_send_tokens", [](const HeaderData* h) { return h->chunks[2]; });
@@ -285,8 +292,9 @@ class DispatchCall {
   void exchange_headers();     // 1. header (and counts), the first windows staged, every header in
   void plan_receives();        // 2. every receiver's rows, known on every rank
   void check_windows() const;  // 3. a segment that cannot hold one staged token
-  void set_up_outputs();       // 4. outputs, published to pushing senders, the handle's shape
-  void move_rows();            // 5. rounds: stage own windows, pull (or push) every source's rows
+  void check_block_capacity(int d, const routing::ReceivePlan& p) const;
+  void set_up_outputs();  // 4. outputs, published to pushing senders, the handle's shape
+  void move_rows();       // 5. rounds: stage own windows, pull (or push) every source's rows
   void finish() const;
 
  private:
@@ -481,7 +489,9 @@ void DispatchCall::start_internode() {
 }
 
 void DispatchCall::fill_header() {
-  HeaderData& h = ctx_.begin_header(in_.cached ? OpKind::cached_dispatch : OpKind::dispatch);
+  HeaderData& h = ctx_.begin_header(in_.cached                  ? OpKind::cached_dispatch
+                                    : in_.expert_block_rows > 0 ? OpKind::low_latency_dispatch
+                                                                : OpKind::dispatch);
   h.order = static_cast<uint32_t>(in_.order);
   h.flags =
       (has_topk_ ? kHasTopk | kHasWeights : 0) | (!has_topk_ ? kHasInRank : 0) | (can_push_ ? kPushRows : 0);
@@ -494,6 +504,7 @@ void DispatchCall::fill_header() {
   h.num_tokens = in_.num_tokens;
   h.expert_alignment = in_.expert_alignment;
   h.num_worst_tokens = in_.num_worst_tokens;
+  h.expert_block_rows = in_.expert_block_rows;
   h.handle_id = in_.cached ? hd_->seq : 0;
   h.input_offset = share_x_ ? in_.shared_offset : -1;
   std::copy(std::begin(in_.chunks), std::end(in_.chunks), h.chunks);
@@ -551,7 +562,9 @@ void DispatchCall::plan_receives() {
   }
   rows_matrix_.assign(static_cast<size_t>(R_) * R_, 0);
   for (int d = 0; d < R_; ++d) {
-    routing::ReceivePlan p = routing::plan_receive(d, in_.order, map_, in_.expert_alignment, pairs, toks);
+    routing::ReceivePlan p =
+        routing::plan_receive(d, in_.order, map_, in_.expert_alignment, pairs, toks, in_.expert_block_rows);
+    check_block_capacity(d, p);
     for (int s = 0; s < R_; ++s) rows_matrix_[static_cast<size_t>(s) * R_ + d] = p.rows_per_source[s];
     int64_t worst = ctx_.header(d)->num_worst_tokens;
     if (worst > 0 && p.num_recv_rows > worst)
@@ -560,9 +573,21 @@ void DispatchCall::plan_receives() {
                    "; nothing was sent (rows are never truncated)");
     check_receive_capacity(ctx_, d, p.num_recv_rows, f_, K_, in_.idx_dtype);  // every rank, every receiver
     if (push_) push_start_[d] = p.start;
-    host_rows_ += p.num_recv_rows;
+    // The rows written (a low-latency block's unused rows are never touched).
+    host_rows_ +=
+        in_.expert_block_rows > 0 ? std::accumulate(p.cnt.begin(), p.cnt.end(), int64_t{0}) : p.num_recv_rows;
     if (d == me_) plan_ = std::move(p);
   }
+}
+
+// Low-latency layout: an expert's pairs must fit its block of R * T_max rows. With distinct experts per
+// token (checked by the API) they always do; this guards the invariant the block offsets rely on.
+void DispatchCall::check_block_capacity(int d, const routing::ReceivePlan& p) const {
+  for (int j = 0; j < L_ && in_.expert_block_rows > 0; ++j)
+    if (p.cnt[j] > in_.expert_block_rows)
+      EPCOMM_THROW(InvalidUsage, ctx_.prefix(), "capacity: local expert ", j, " of rank ", d, " gets ",
+                   p.cnt[j], " rows, more than its block of ", in_.expert_block_rows,
+                   " (num_ranks x num_max_dispatch_tokens_per_rank); nothing was sent");
 }
 
 // Only a segment that cannot hold one staged token is an error (every rank sees the same sizes).
@@ -589,7 +614,7 @@ void DispatchCall::allocate_outputs() {
                                                               : Shape{rows_ * f_.scale_cols};
     out_.recv_x.scales = in_.allocator->allocate(f_.scale_dtype, ss);
   }
-  if (!in_.cached && has_topk_) {
+  if (!in_.cached && has_topk_ && in_.expert_block_rows == 0) {
     out_.recv_topk_idx = in_.allocator->allocate(in_.idx_dtype, {rows_, K_});
     out_.recv_topk_weights = in_.allocator->allocate(DType::f32, {rows_, K_});
   }
@@ -612,7 +637,7 @@ void DispatchCall::bind_outputs() {
       if (src[r] < 0) o_.fill_empty(r, r + 1);
     return;
   }
-  if (has_topk_) {
+  if (has_topk_ && out_.recv_topk_idx) {
     poison(*out_.recv_topk_idx, in_.poison);
     poison(*out_.recv_topk_weights, in_.poison);
     o_.idx = out_.recv_topk_idx->data();
@@ -627,8 +652,11 @@ void DispatchCall::bind_outputs() {
   o_.src_rank = nh_->recv_src_rank.data_as<int32_t>();
   o_.src_token = nh_->recv_src_token.data_as<int32_t>();
   o_.src_slot = nh_->recv_src_slot.data_as<int32_t>();
-  if (in_.order == ReceiveOrder::expert_major)
+  if (in_.expert_block_rows > 0) {
+    for (int j = 0; j < L_; ++j) o_.clear_sources(plan_.pad_begin[j], plan_.block_end[j]);
+  } else if (in_.order == ReceiveOrder::expert_major) {
     for (int j = 0; j < L_; ++j) o_.fill_empty(plan_.pad_begin[j], plan_.block_end[j]);
+  }
   o_.fill_empty(N_, rows_);
   out_.list = in_.num_worst_tokens > 0 ? std::vector<int64_t>{} : plan_.list;
 }
@@ -668,6 +696,7 @@ void DispatchCall::fill_handle_shape() {
   nh_->num_rows = rows_;
   nh_->expert_alignment = in_.expert_alignment;
   nh_->num_worst_tokens = in_.num_worst_tokens;
+  nh_->expert_block_rows = in_.expert_block_rows;
   nh_->hidden = in_.hidden;
   nh_->has_topk = has_topk_;
   nh_->topk_ids = std::move(in_.ids);
@@ -836,7 +865,7 @@ void DispatchCall::pull_entry(int s, int64_t t, const uint8_t* payload, const ui
     o_.copy_payload(row, payload);
     // expert_major: the row of slot k (its local expert there, -1 and +0 elsewhere); rank_major: the token's
     // row (every slot whose expert is here).
-    o_.set_topk(row, idp, wp, static_cast<int64_t>(me_) * L_, L_, by_expert ? k : -1);
+    if (o_.idx) o_.set_topk(row, idp, wp, static_cast<int64_t>(me_) * L_, L_, by_expert ? k : -1);
     o_.src_rank[row] = s;
     o_.src_token[row] = static_cast<int32_t>(t);
     o_.src_slot[row] = k;

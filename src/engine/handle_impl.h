@@ -21,6 +21,7 @@ struct Handle::Impl {
   ReceiveOrder order = ReceiveOrder::expert_major;
   int num_ranks = 1, num_experts = 0, num_topk = 0, num_local = 0;
   int64_t num_tokens = 0, num_recv_rows = 0, num_rows = 0, expert_alignment = 1, num_worst_tokens = 0;
+  int64_t expert_block_rows = 0;  // low-latency layout: rows per local expert block (0: normal mode)
   // Rows every rank of this host received together (pushed: against cache_resident_push_bytes).
   int64_t host_recv_rows = 0;
   int64_t hidden = 0;

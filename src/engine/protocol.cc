@@ -7,12 +7,22 @@ namespace epcomm::engine {
 
 const char* op_kind_name(OpKind op) {
   switch (op) {
-    case OpKind::dispatch: return "dispatch";
-    case OpKind::cached_dispatch: return "dispatch(cached)";
-    case OpKind::combine: return "combine";
-    case OpKind::dispatch_v2: return "dispatch_v2";
-    case OpKind::combine_v2: return "combine_v2";
-    case OpKind::combine_add_rms_norm: return "combine_add_rms_norm";
+    case OpKind::dispatch:
+      return "dispatch";
+    case OpKind::cached_dispatch:
+      return "dispatch(cached)";
+    case OpKind::combine:
+      return "combine";
+    case OpKind::dispatch_v2:
+      return "dispatch_v2";
+    case OpKind::combine_v2:
+      return "combine_v2";
+    case OpKind::combine_add_rms_norm:
+      return "combine_add_rms_norm";
+    case OpKind::low_latency_dispatch:
+      return "low_latency_dispatch";
+    case OpKind::low_latency_combine:
+      return "low_latency_combine";
   }
   return "?";
 }

@@ -24,6 +24,8 @@ enum class OpKind : uint32_t {
   dispatch_v2 = 4,  // the operator family (docs/distribute-v2.md)
   combine_v2 = 5,
   combine_add_rms_norm = 6,
+  low_latency_dispatch = 7,  // docs/low-latency.md: the dispatch protocol with the low-latency layout
+  low_latency_combine = 8,
 };
 const char* op_kind_name(OpKind op);
 
@@ -53,6 +55,7 @@ struct HeaderData {
   uint32_t flags;
   int32_t num_experts, num_topk, dtype, quant_mode;
   int64_t hidden, row_bytes, num_tokens, expert_alignment, num_worst_tokens;
+  int64_t expert_block_rows;  // low-latency dispatch: R * T_max (0: normal mode)
   uint64_t handle_id;
   int32_t chunks[4];
   // Where this rank's `x` starts, in bytes from the start of its segment, when it lies in a shared input

@@ -36,7 +36,10 @@ size_t row_scale_bytes(QuantMode mode, int64_t H) {
     case QuantMode::pertoken_fp8_e4m3:
       return 4;
     case QuantMode::pergroup_fp8_e4m3:
+    case QuantMode::pergroup_fp8_e4m3_pow2:
       return 4 * groups(H, kGroup128);
+    case QuantMode::pergroup_fp8_e4m3_ue8m0:
+      return groups(H, kGroup128);
     case QuantMode::mx_fp8_e4m3:
     case QuantMode::mx_fp8_e5m2:
     case QuantMode::mx_fp4_e2m1:
@@ -78,6 +81,11 @@ void quantize_row(QuantMode mode, DType in, const void* x, int64_t H, void* data
     case QuantMode::pergroup_fp8_e4m3:
       fp8_per_group128(Fp8Format::e4m3, in, x, H, Smoothing::none(), codes, scales_out);
       return;
+    case QuantMode::pergroup_fp8_e4m3_pow2:
+    case QuantMode::pergroup_fp8_e4m3_ue8m0:
+      fp8_per_group128(Fp8Format::e4m3, in, x, H, Smoothing::none(), codes, scales_out,
+                       {true, mode == QuantMode::pergroup_fp8_e4m3_ue8m0});
+      return;
     case QuantMode::mx_fp8_e4m3:
       mxfp8_e4m3(in, x, H, codes, sbytes);
       return;
@@ -116,7 +124,11 @@ void dequantize_row(QuantMode mode, const void* data, const void* scales, int64_
       dequant_fp8_per_token(Fp8Format::e4m3, codes, scale0(), H, out);
       return;
     case QuantMode::pergroup_fp8_e4m3:
+    case QuantMode::pergroup_fp8_e4m3_pow2:
       dequant_fp8_per_group128(Fp8Format::e4m3, codes, scales, H, out);
+      return;
+    case QuantMode::pergroup_fp8_e4m3_ue8m0:
+      dequant_fp8_per_group128(Fp8Format::e4m3, codes, scales, H, out, true);
       return;
     case QuantMode::mx_fp8_e4m3:
       dequant_mx(MxElem::e4m3, codes, sbytes, H, out);
@@ -152,6 +164,7 @@ DType scale_dtype(QuantMode mode) {
     case QuantMode::int8:
     case QuantMode::pertoken_fp8_e4m3:
     case QuantMode::pergroup_fp8_e4m3:
+    case QuantMode::pergroup_fp8_e4m3_pow2:
       return DType::f32;
     default:
       return DType::e8m0;

@@ -54,6 +54,8 @@ Shape scale_shape(QuantMode mode, int64_t T, int64_t H) {
     case QuantMode::pertoken_fp8_e4m3:
       return {T};
     case QuantMode::pergroup_fp8_e4m3:
+    case QuantMode::pergroup_fp8_e4m3_pow2:
+    case QuantMode::pergroup_fp8_e4m3_ue8m0:
       return {T, (H + 127) / 128};
     default:
       return {T, H / 32};

@@ -45,7 +45,7 @@ void normalize_topk_ids(const void* ids, bool is_i64, int64_t num_tokens, int nu
 
 ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
                          const std::vector<const int32_t*>& pairs_per_expert,
-                         const std::vector<const int32_t*>& tokens_per_rank) {
+                         const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows) {
   const int R = map.num_ranks, L = map.num_local;
   ReceivePlan p;
   p.order = order;
@@ -62,6 +62,7 @@ ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_
     p.block_end.assign(L, 0);
     int64_t row = 0;
     for (int j = 0; j < L; ++j) {
+      if (block_rows > 0) row = j * block_rows;
       for (int s = 0; s < R; ++s) {
         p.start[static_cast<size_t>(s) * L + j] = row;
         int64_t c = pairs_per_expert[s][d * L + j];
@@ -69,7 +70,7 @@ ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_
         p.rows_per_source[s] += c;
       }
       p.pad_begin[j] = row;
-      row += p.list[j] - p.cnt[j];
+      row = block_rows > 0 ? (j + 1) * block_rows : row + p.list[j] - p.cnt[j];
       p.block_end[j] = row;
     }
     p.num_recv_rows = row;

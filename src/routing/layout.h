@@ -52,10 +52,12 @@ struct ReceivePlan {
 
 // pairs_per_expert[s] = source s's num_tokens_per_expert ([E]); tokens_per_rank[s] its num_tokens_per_rank
 // ([R]). rank_major without top-k: pairs_per_expert carry the caller-supplied num_tokens_per_expert (list
-// only).
+// only). block_rows > 0 (expert_major, low-latency mode): block j is rows [j * block_rows, (j + 1) *
+// block_rows), its pairs first, the rest its PAD range; N = L * block_rows. The caller checks that every
+// cnt[j] fits.
 ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
                          const std::vector<const int32_t*>& pairs_per_expert,
-                         const std::vector<const int32_t*>& tokens_per_rank);
+                         const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows = 0);
 
 inline int64_t align_up(int64_t n, int64_t a) {
   return (n + a - 1) / a * a;

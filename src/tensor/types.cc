@@ -25,6 +25,10 @@ const char* quant_mode_name(QuantMode mode) {
       return "mx_fp8_e5m2";
     case QuantMode::mx_fp4_e2m1:
       return "mx_fp4_e2m1";
+    case QuantMode::pergroup_fp8_e4m3_pow2:
+      return "pergroup_fp8_e4m3_pow2";
+    case QuantMode::pergroup_fp8_e4m3_ue8m0:
+      return "pergroup_fp8_e4m3_ue8m0";
   }
   return "?";
 }
@@ -38,11 +42,12 @@ ReceiveOrder parse_receive_order(const std::string& name) {
 QuantMode parse_quant_mode(const std::string& name) {
   for (QuantMode m :
        {QuantMode::bf16, QuantMode::int8, QuantMode::pertoken_fp8_e4m3, QuantMode::pergroup_fp8_e4m3,
-        QuantMode::mx_fp8_e4m3, QuantMode::mx_fp8_e5m2, QuantMode::mx_fp4_e2m1})
+        QuantMode::mx_fp8_e4m3, QuantMode::mx_fp8_e5m2, QuantMode::mx_fp4_e2m1,
+        QuantMode::pergroup_fp8_e4m3_pow2, QuantMode::pergroup_fp8_e4m3_ue8m0})
     if (name == quant_mode_name(m)) return m;
   EPCOMM_THROW(InvalidUsage,
                "quant_mode: expected one of bf16, int8, pertoken_fp8_e4m3, pergroup_fp8_e4m3, mx_fp8_e4m3, "
-               "mx_fp8_e5m2, mx_fp4_e2m1, got '",
+               "mx_fp8_e5m2, mx_fp4_e2m1, pergroup_fp8_e4m3_pow2, pergroup_fp8_e4m3_ue8m0, got '",
                name, "'");
 }
 

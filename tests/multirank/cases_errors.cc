@@ -318,10 +318,22 @@ ERROR_CASE("segment_below_minimum") {
   REQUIRE(min_nvl_bytes(64 * 2, 3, ctx.size) >= minimum, "min_nvl_bytes must cover the call");
 }
 ERROR_CASE("low_latency_mode") {
+  // Low-latency calls need low_latency_mode = true; every rank raises, and the Buffer stays usable.
+  Buffer b(ctx.group, test_options(1 << 20));
+  LowLatencyDispatchArgs a;
+  a.x = empty(DType::bf16, {1, 128});
+  a.topk_idx = empty(DType::i64, {1, 1});
+  a.topk_idx.data_as<int64_t>()[0] = 0;
+  a.num_max_dispatch_tokens_per_rank = 1;
+  a.num_experts = ctx.size;
+  expect_error([&] { b.low_latency_dispatch(a); }, ErrorCode::InvalidUsage,
+               {"low_latency_dispatch", "low_latency_mode"});
+  // Ranks that disagree on the mode fail at creation.
+  if (ctx.size < 2) return;
   BufferOptions o = test_options(1 << 20);
-  o.low_latency_mode = true;
-  expect_error([&] { Buffer b(ctx.group, o); }, ErrorCode::InvalidUsage,
-               {"low_latency_mode", "not supported"});
+  o.low_latency_mode = ctx.rank == 1;
+  expect_error([&] { Buffer c(ctx.group, o); }, ErrorCode::InvalidUsage,
+               {"mismatch", "low_latency_mode", "rank 1 = 1"});
 }
 ERROR_CASE("num_nvl_bytes_differ") {
   if (ctx.size < 2) throw Skip("needs 2 ranks");

@@ -171,9 +171,11 @@ def test_one_rank_buffer(world1, mode, monkeypatch):
         buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
 
 
-def test_low_latency_mode_is_not_supported(world1):
-    with pytest.raises(epcomm.InvalidUsageError, match="low_latency_mode=True is not supported"):
-        epcomm.Buffer(world1, 0, 0, True)
+def test_low_latency_calls_need_low_latency_mode(world1):
+    buf = epcomm.Buffer(world1, flavor="deepep")
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(epcomm.InvalidUsageError, match="low_latency_mode"):
+        buf.low_latency_dispatch(x, torch.zeros(1, 1, dtype=torch.int64), 1, 1)
 
 
 def _rss_shmem_kb():

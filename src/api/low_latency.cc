@@ -1,0 +1,349 @@
+// api/low_latency.cc — Buffer::low_latency_dispatch / low_latency_combine (docs/low-latency.md): DeepEP's
+// low-latency layout on the normal-mode protocols. A low-latency dispatch is an expert_major dispatch whose
+// local experts own fixed blocks of R * T_max rows (engine::DispatchInput::expert_block_rows), so that its
+// rows land straight in the 3-D [L, R * T_max, H] output (pushed into the receivers' memory on one node);
+// the combine is the expert_major weighted combine, read in place where x lies in the output arena.
+#include <algorithm>
+#include <cstring>
+
+#include "api/buffer_impl.h"
+#include "api/event_state.h"
+#include "common/check.h"
+#include "common/env.h"
+#include "quant/row.h"
+#include "routing/layout.h"
+
+namespace epcomm {
+namespace {
+
+constexpr int kMaxTopk = 32;
+
+void check_tensor(const Tensor& t, const char* name, const Shape& shape, std::initializer_list<DType> dtypes,
+                  const char* meaning) {
+  const bool dtype_ok = t.defined() && std::find(dtypes.begin(), dtypes.end(), t.dtype()) != dtypes.end();
+  if (t.defined() && t.shape() == shape && dtype_ok && t.is_contiguous()) return;
+  std::string want;
+  for (DType d : dtypes) want += detail::cat(want.empty() ? "" : " or ", dtype_name(d));
+  EPCOMM_THROW(InvalidUsage, "argument: ", name, ": expected a contiguous ", shape_str(shape), " ", meaning,
+               " tensor of ", want, ", got ",
+               t.defined() ? detail::cat(dtype_name(t.dtype()), " ", shape_str(t.shape()),
+                                         t.is_contiguous() ? "" : " (not contiguous)")
+                           : std::string("None"));
+}
+
+QuantMode format_of(const LowLatencyDispatchArgs& a) {
+  if (!a.use_fp8) return QuantMode::bf16;
+  if (a.use_ue8m0) return QuantMode::pergroup_fp8_e4m3_ue8m0;
+  return a.round_scale ? QuantMode::pergroup_fp8_e4m3_pow2 : QuantMode::pergroup_fp8_e4m3;
+}
+
+// The experts of one token are distinct (each expert block holds R * T_max rows, one per source token).
+void check_distinct_experts(const std::vector<int32_t>& ids, int64_t T, int K) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* row = ids.data() + t * K;
+    for (int k = 1; k < K; ++k)
+      for (int k0 = 0; k0 < k && row[k] >= 0; ++k0)
+        EPCOMM_CHECK(row[k0] != row[k], "argument: topk_idx: token ", t, " lists expert ", row[k],
+                     " twice (slots ", k0, " and ", k,
+                     "); low-latency mode needs the experts of one token to be distinct");
+  }
+}
+
+// Checks of low-latency mode itself (the normal-mode checks of x and topk_idx run after, in
+// prepare_dispatch); fills `ids` with the normalized top-k ids.
+void check_dispatch_args(const Buffer::Impl& b, const LowLatencyDispatchArgs& a, std::vector<int32_t>& ids) {
+  const int R = b.num_ranks;
+  EPCOMM_CHECK(b.options.low_latency_mode,
+               "argument: low_latency_mode: this Buffer was created with low_latency_mode = false");
+  const int64_t tmax = a.num_max_dispatch_tokens_per_rank;
+  EPCOMM_CHECK(tmax >= 1 && tmax <= (int64_t{1} << 20),
+               "argument: num_max_dispatch_tokens_per_rank: expected 1 to ", int64_t{1} << 20, ", got ",
+               tmax);
+  EPCOMM_CHECK(a.num_experts >= 1 && a.num_experts % R == 0 && a.num_experts <= engine::kMaxExperts,
+               "argument: num_experts: expected a positive multiple of the ", R, " ranks, at most ",
+               engine::kMaxExperts, ", got ", a.num_experts);
+  EPCOMM_CHECK(a.x.defined() && a.x.dim() == 2 && a.x.dtype() == DType::bf16 && a.x.is_contiguous(),
+               "argument: x: expected a contiguous [num_tokens, hidden] bf16 tensor, got ",
+               a.x.defined() ? detail::cat(dtype_name(a.x.dtype()), " ", shape_str(a.x.shape())) : "None");
+  const int64_t T = a.x.size(0), H = a.x.size(1);
+  EPCOMM_CHECK(T <= tmax, "argument: x: ", T, " tokens, more than num_max_dispatch_tokens_per_rank = ", tmax);
+  EPCOMM_CHECK(a.topk_idx.defined() && a.topk_idx.dim() == 2 && a.topk_idx.size(0) == T &&
+                   (a.topk_idx.dtype() == DType::i64 || a.topk_idx.dtype() == DType::i32) &&
+                   a.topk_idx.is_contiguous(),
+               "argument: topk_idx: expected a contiguous [", T, ", num_topk] i64 (or i32) tensor, got ",
+               a.topk_idx.defined()
+                   ? detail::cat(dtype_name(a.topk_idx.dtype()), " ", shape_str(a.topk_idx.shape()))
+                   : "None");
+  const int K = static_cast<int>(a.topk_idx.size(1));
+  EPCOMM_CHECK(K >= 1 && K <= kMaxTopk, "argument: topk_idx: num_topk = ", K, ", expected 1 to ", kMaxTopk);
+  if (a.use_fp8)
+    EPCOMM_CHECK(H % 128 == 0, "argument: x: use_fp8 needs hidden to be a multiple of 128, got hidden = ", H);
+  if (a.use_ue8m0) {
+    EPCOMM_CHECK(a.use_fp8, "argument: use_ue8m0: requires use_fp8 = true");
+    EPCOMM_CHECK(a.round_scale,
+                 "argument: use_ue8m0: requires round_scale = true (ue8m0 scales are powers of two)");
+    EPCOMM_CHECK(H % 512 == 0,
+                 "argument: x: use_ue8m0 needs hidden to be a multiple of 512, got hidden = ", H);
+  }
+  ids.resize(static_cast<size_t>(T) * K);
+  routing::normalize_topk_ids(a.topk_idx.data(), a.topk_idx.dtype() == DType::i64, T, K, a.num_experts,
+                              ids.data());
+  check_distinct_experts(ids, T, K);
+  const int L = a.num_experts / R;
+  if (a.cumulative_local_expert_recv_stats)
+    check_tensor(*a.cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", {L},
+                 {DType::i32}, "[num_local_experts]");
+  if (a.dispatch_wait_recv_cost_stats)
+    check_tensor(*a.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", {R}, {DType::i64},
+                 "[num_ranks] (DeepEP's code; its docstring's [num_ranks, num_ranks] is not accepted)");
+}
+
+// The normal-mode arguments of the same rows: expert_major, alignment 1, zero weights (combine takes its
+// own), the per-expert counts of the ids.
+DispatchArgs normal_args(const Buffer::Impl& b, const LowLatencyDispatchArgs& a,
+                         const std::vector<int32_t>& ids) {
+  const int64_t T = a.x.size(0);
+  const int K = static_cast<int>(a.topk_idx.size(1));
+  DispatchArgs d;
+  d.x.data = a.x;
+  d.topk_idx = a.topk_idx;
+  d.topk_weights = b.allocator->allocate(DType::f32, {T, K});
+  if (T > 0) std::memset(d.topk_weights->data(), 0, sizeof(float) * T * K);
+  Tensor counts = b.allocator->allocate(DType::i32, {a.num_experts});
+  auto* c = counts.data_as<int32_t>();
+  std::fill(c, c + a.num_experts, 0);
+  for (int32_t id : ids)
+    if (id >= 0) ++c[id];
+  d.num_tokens_per_expert = counts;
+  d.receive_order = ReceiveOrder::expert_major;
+  d.dispatch_wait_recv_cost_stats = a.dispatch_wait_recv_cost_stats;
+  const QuantMode mode = format_of(a);
+  if (mode != QuantMode::bf16) d.quant_mode = mode;
+  return d;
+}
+
+// What the call fills besides the engine's outputs, allocated up front (every shape is known).
+struct LowLatencyOutputs {
+  int L = 0, R = 0;
+  int64_t block = 0;  // R * T_max
+  LowLatencyDispatchResult result;
+  std::optional<Tensor> cumulative_stats;
+};
+
+void allocate_outputs(Buffer::Impl& b, const engine::DispatchInput& in, engine::DispatchOutput& out,
+                      LowLatencyOutputs& o) {
+  Allocator& al = *b.allocator;
+  const int64_t rows = o.block * o.L;
+  const auto& f = in.format;
+  out.recv_x.data = al.allocate(f.data_dtype, {rows, f.data_cols});
+  if (f.scale_row_bytes) {
+    out.recv_x.scales = al.allocate(f.scale_dtype, {rows, f.scale_cols});
+    const bool packed = f.scale_dtype == DType::e8m0;  // four ue8m0 bytes per i32
+    const int64_t cols = packed ? f.scale_cols / 4 : f.scale_cols;
+    o.result.recv_scales = al.allocate(packed ? DType::i32 : DType::f32, {o.L, cols, o.block});
+  }
+  out.handle->recv_src_rank = al.allocate(DType::i32, {rows});
+  out.handle->recv_src_token = al.allocate(DType::i32, {rows});
+  out.handle->recv_src_slot = al.allocate(DType::i32, {rows});
+  o.result.recv_x = Tensor::wrap(out.recv_x.data.data(), f.data_dtype, {o.L, o.block, f.data_cols}, {},
+                                 out.recv_x.data.owner());
+  o.result.recv_count = al.allocate(DType::i32, {o.L});
+  o.result.src_info = Tensor::wrap(out.handle->recv_src_token.data(), DType::i32, {o.L, o.block}, {},
+                                   out.handle->recv_src_token.owner());
+  o.result.layout_range = al.allocate(DType::i64, {o.L, o.R});
+}
+
+// Scales of the valid rows, transposed into DeepEP's column-major [L, groups, R * T_max] (4-byte words:
+// f32 scales, or four packed ue8m0 bytes).
+void transpose_scales(const Tensor& rows, Tensor& cols, const std::vector<int64_t>& cnt, int64_t block) {
+  const int64_t words = cols.size(1);
+  const auto* src = static_cast<const uint32_t*>(rows.data());
+  auto* dst = static_cast<uint32_t*>(cols.data());
+  for (size_t j = 0; j < cnt.size(); ++j)
+    for (int64_t i = 0; i < cnt[j]; ++i) {
+      const uint32_t* s = src + (static_cast<int64_t>(j) * block + i) * words;
+      uint32_t* d = dst + static_cast<int64_t>(j) * words * block + i;
+      for (int64_t g = 0; g < words; ++g) d[g * block] = s[g];
+    }
+}
+
+// Counts, layout ranges, scales and statistics, from the finished dispatch (on the communication thread).
+void finish_dispatch(const engine::DispatchOutput& out, LowLatencyOutputs& o) {
+  const Handle::Impl& h = *out.handle;
+  auto* count = o.result.recv_count.data_as<int32_t>();
+  auto* range = o.result.layout_range.data_as<int64_t>();
+  const int32_t* src = h.recv_src_rank.data_as<int32_t>();
+  for (int j = 0; j < o.L; ++j) {
+    count[j] = static_cast<int32_t>(h.cnt[j]);
+    std::vector<int64_t> per(o.R, 0);
+    for (int64_t i = 0; i < h.cnt[j]; ++i) ++per[src[j * o.block + i]];
+    int64_t begin = 0;
+    for (int s = 0; s < o.R; ++s) {
+      range[j * o.R + s] = (begin << 32) | per[s];
+      begin += per[s];
+    }
+  }
+  if (o.result.recv_scales) transpose_scales(*out.recv_x.scales, *o.result.recv_scales, h.cnt, o.block);
+  if (o.cumulative_stats) {
+    auto* acc = o.cumulative_stats->data_as<int32_t>();
+    for (int j = 0; j < o.L; ++j) acc[j] += count[j];
+  }
+}
+
+}  // namespace
+
+LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
+  Impl& b = *impl_;
+  b.check_usable("low_latency_dispatch");
+  const uint64_t s = ++b.seq;
+  auto in = std::make_shared<engine::DispatchInput>();
+  auto out = std::make_shared<engine::DispatchOutput>();
+  auto o = std::make_shared<LowLatencyOutputs>();
+  std::optional<Error> verr;
+  try {
+    std::vector<int32_t> ids;
+    check_dispatch_args(b, a, ids);
+    ReceiveOrder order = ReceiveOrder::expert_major;
+    prepare_dispatch(b, normal_args(b, a, ids), *in, order);
+    o->R = b.num_ranks;
+    o->L = a.num_experts / b.num_ranks;
+    o->block = a.num_max_dispatch_tokens_per_rank * b.num_ranks;
+    in->expert_block_rows = o->block;
+  } catch (const Error& e) {
+    verr = Error(e.code(), b.prefix("low_latency_dispatch", s) + e.what());
+  }
+  if (!verr) {
+    in->allocator = b.allocator.get();
+    in->poison = env::poison_outputs();
+    in->workers = &b.workers;
+    in->counters = &b.counters;
+    out->handle = std::make_shared<Handle::Impl>();
+    out->handle->buffer_key = &b;
+    out->handle->buffer_alive = b.alive;
+    allocate_outputs(b, *in, *out, *o);
+    o->cumulative_stats = a.cumulative_local_expert_recv_stats;
+  }
+  auto st = launch(b, s, engine::OpKind::low_latency_dispatch, std::nullopt,
+                   verr ? std::string(verr->what()) : std::string(), !a.async_finish || verr.has_value(),
+                   [in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+                     engine::run_dispatch(ctx, *in, *out, on_shapes);
+                     finish_dispatch(*out, *o);
+                     return static_cast<int64_t>(out->recv_x.data.nbytes());
+                   });
+  if (verr) {
+    st->wait();
+    throw *verr;
+  }
+  out->handle->wait_shapes = [st] {
+    if (auto e = st->wait_shapes()) std::rethrow_exception(e);
+  };
+  if (!a.async_finish)
+    if (auto e = st->wait()) std::rethrow_exception(e);
+  LowLatencyDispatchResult r = o->result;
+  r.handle = std::make_shared<const Handle>(out->handle);
+  r.event = EventOverlap(st);
+  return r;
+}
+
+namespace {
+
+const Handle::Impl& low_latency_handle(const Buffer::Impl& b, const std::shared_ptr<const Handle>& h) {
+  EPCOMM_CHECK(h != nullptr, "argument: handle: required, got None");
+  const Handle::Impl& hd = own_handle(b, h);
+  EPCOMM_CHECK(
+      hd.expert_block_rows > 0,
+      "argument: handle: it comes from a normal-mode dispatch; low_latency_combine takes the handle of "
+      "a low_latency_dispatch");
+  return hd;
+}
+
+// x [L, R * T_max, H] bf16, topk_idx equal to the dispatch's, topk_weights [T, K] f32, out [T, H] bf16.
+void check_combine_args(const Buffer::Impl& b, const LowLatencyCombineArgs& a, const Handle::Impl& hd) {
+  const int L = hd.num_local;
+  const int64_t T = hd.num_tokens;
+  const int K = hd.num_topk;
+  EPCOMM_CHECK(a.x.defined() && a.x.dim() == 3 && a.x.size(0) == L && a.x.size(1) == hd.expert_block_rows,
+               "argument: x: expected [", L, ", ", hd.expert_block_rows,
+               ", hidden] = [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden], got ",
+               a.x.defined() ? shape_str(a.x.shape()) : std::string("None"));
+  check_tensor(a.x, "x", a.x.shape(), {DType::bf16}, "");
+  EPCOMM_CHECK(
+      a.topk_idx.defined() && a.topk_idx.dim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K &&
+          (a.topk_idx.dtype() == DType::i64 || a.topk_idx.dtype() == DType::i32) &&
+          a.topk_idx.is_contiguous(),
+      "argument: topk_idx: expected the dispatch's contiguous [", T, ", ", K, "] i64 (or i32) tensor, got ",
+      a.topk_idx.defined() ? detail::cat(dtype_name(a.topk_idx.dtype()), " ", shape_str(a.topk_idx.shape()))
+                           : "None");
+  std::vector<int32_t> ids(static_cast<size_t>(T) * K);
+  routing::normalize_topk_ids(a.topk_idx.data(), a.topk_idx.dtype() == DType::i64, T, K, hd.num_experts,
+                              ids.data());
+  for (size_t i = 0; i < ids.size(); ++i)
+    EPCOMM_CHECK(ids[i] == hd.topk_ids[i], "argument: topk_idx[", i / K, ", ", i % K, "] = ", ids[i],
+                 " differs from the dispatch's ", hd.topk_ids[i], " (combine takes the dispatch's topk_idx)");
+  check_tensor(a.topk_weights, "topk_weights", {T, K}, {DType::f32}, "[num_tokens, num_topk]");
+  if (a.out) check_tensor(*a.out, "out", {T, a.x.size(2)}, {DType::bf16}, "[num_tokens, hidden]");
+  if (a.combine_wait_recv_cost_stats)
+    check_tensor(*a.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", {b.num_ranks}, {DType::i64},
+                 "[num_ranks]");
+}
+
+}  // namespace
+
+LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& a) {
+  Impl& b = *impl_;
+  b.check_usable("low_latency_combine");
+  const uint64_t s = ++b.seq;
+  auto in = std::make_shared<engine::CombineInput>();
+  auto out = std::make_shared<engine::CombineOutput>();
+  std::optional<Error> verr;
+  try {
+    EPCOMM_CHECK(b.options.low_latency_mode,
+                 "argument: low_latency_mode: this Buffer was created with low_latency_mode = false");
+    const Handle::Impl& hd = low_latency_handle(b, a.handle);
+    check_combine_args(b, a, hd);
+    CombineArgs c;
+    c.x = Tensor::wrap(a.x.data(), DType::bf16, {a.x.size(0) * a.x.size(1), a.x.size(2)}, {}, a.x.owner());
+    c.handle = a.handle;
+    c.topk_weights = a.topk_weights;
+    c.combine_send_cost_stats = a.combine_wait_recv_cost_stats;
+    prepare_combine(b, c, *in);
+  } catch (const Error& e) {
+    verr = Error(e.code(), b.prefix("low_latency_combine", s) + e.what());
+  }
+  if (!verr) {
+    in->poison = env::poison_outputs();
+    in->workers = &b.workers;
+    in->counters = &b.counters;
+    out->combined_x =
+        a.out ? *a.out : b.allocator->allocate(DType::bf16, {in->handle->num_tokens, in->hidden});
+  }
+  auto st = launch(b, s, engine::OpKind::low_latency_combine, std::nullopt,
+                   verr ? std::string(verr->what()) : std::string(), !a.async_finish || verr.has_value(),
+                   [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+                     engine::run_combine(ctx, *in, *out, on_shapes);
+                     return static_cast<int64_t>(out->combined_x.nbytes());
+                   });
+  if (verr) {
+    st->wait();
+    throw *verr;
+  }
+  if (!a.async_finish)
+    if (auto e = st->wait()) std::rethrow_exception(e);
+  LowLatencyCombineResult r;
+  r.combined_x = out->combined_x;
+  r.event = EventOverlap(st);
+  return r;
+}
+
+Tensor Buffer::low_latency_combine_buffer(const Handle& handle) {
+  Impl& b = *impl_;
+  const std::string pre = detail::cat("epcomm[rank ", b.rank, "] get_next_low_latency_combine_buffer: ");
+  const Handle::Impl& hd = handle.impl();
+  EPCOMM_CHECK(hd.buffer_key == &b && !hd.buffer_alive.expired(), pre,
+               "argument: handle: it belongs to another Buffer or to a destroyed one");
+  EPCOMM_CHECK(hd.expert_block_rows > 0, pre,
+               "argument: handle: it comes from a normal-mode dispatch, not a low_latency_dispatch");
+  return b.allocator->allocate(DType::bf16, {hd.num_local, hd.expert_block_rows, hd.hidden});
+}
+
+}  // namespace epcomm
