@@ -266,11 +266,11 @@ void check_headers_match(const OpContext& ctx) {
   report("num_experts", [](const HeaderData* h) { return h->num_experts; });
   report("num_topk", [](const HeaderData* h) { return h->num_topk; });
   report("hidden", [](const HeaderData* h) { return h->hidden; });
-  report("payload dtype",
-         [](const HeaderData* h) { return std::string(dtype_name(static_cast<DType>(h->dtype))); });
   report("quant_mode", [](const HeaderData* h) {
     return std::string(h->quant_mode < 0 ? "plain" : quant_mode_name(static_cast<QuantMode>(h->quant_mode)));
   });
+  report("payload dtype",
+         [](const HeaderData* h) { return std::string(dtype_name(static_cast<DType>(h->dtype))); });
   report("presence of topk_idx", [](const HeaderData* h) { return (h->flags & kHasTopk) != 0; });
   report("presence of weights", [](const HeaderData* h) { return (h->flags & kHasWeights) != 0; });
   report("expert_alignment", [](const HeaderData* h) { return h->expert_alignment; });
