@@ -192,6 +192,11 @@ class Buffer {
   // expert outputs there and pass it as LowLatencyCombineArgs::x, and combine reads every row straight from
   // it with no copy. Local.
   Tensor low_latency_combine_buffer(const Handle& handle);
+  // DeepEP's get_low_latency_rdma_size_hint: a num_rdma_bytes with which every low-latency call with these
+  // parameters succeeds, on one node or across nodes (any node partition), in every format. InvalidUsage
+  // for parameters no call could have (t_max, hidden, num_ranks < 1; num_experts not a multiple of ranks).
+  static int64_t get_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden,
+                                                int num_ranks, int num_experts);
   // A [handle.num_rows, hidden] tensor of `dtype` (bf16, f16 or f32) at the start of this rank's shared
   // combine-input area (BufferOptions::num_combine_input_bytes; InvalidUsage when it is too small). Write the
   // expert outputs there and pass it (or its first rows' view) as CombineArgs::x: on one node combine then

@@ -353,6 +353,9 @@ void bind_buffer(py::module_& m) {
              py::gil_scoped_release nogil;
              b.buffer->destroy();
            })
+      .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
+                  py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
+                  py::arg("num_experts"))
       .def_static("num_threads", &Buffer::num_threads)
       .def_static("set_num_threads", &Buffer::set_num_threads, py::arg("n"))
       .def_static("get_dispatch_config", &Buffer::get_dispatch_config, py::arg("num_ranks"))

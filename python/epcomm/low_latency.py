@@ -128,11 +128,13 @@ def check_stats(t, name, length, dtypes, prefix):
     return t
 
 
+
 def size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
-    """Buffer.get_low_latency_rdma_size_hint: room for two calls in flight of E * T_max rows each, at the
-    widest row any format sends (bf16 data plus 16 bytes of routing), rounded up to 128 bytes. Both flavors
-    and every format fit (docs/low-latency.md, "Sizes")."""
-    t_max, hidden, _, num_experts = check_ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                   num_experts, "get_low_latency_rdma_size_hint: ")
-    row = 2 * hidden + 16
-    return (2 * num_experts * t_max * row + 127) // 128 * 128
+    """Buffer.get_low_latency_rdma_size_hint: room for two calls in flight of E * T_max rows each at the
+    widest row any format sends, and at least the internode lanes' minimum for any node partition
+    (docs/low-latency.md, "Sizes")."""
+    from . import _C
+
+    t_max, hidden, num_ranks, num_experts = check_ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                           num_experts, "get_low_latency_rdma_size_hint: ")
+    return _C.Buffer.get_low_latency_rdma_size_hint(t_max, hidden, num_ranks, num_experts)

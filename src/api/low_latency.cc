@@ -10,6 +10,7 @@
 #include "api/event_state.h"
 #include "common/check.h"
 #include "common/env.h"
+#include "engine/internode.h"
 #include "quant/row.h"
 #include "routing/layout.h"
 
@@ -333,6 +334,31 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   r.combined_x = out->combined_x;
   r.event = EventOverlap(st);
   return r;
+}
+
+int64_t Buffer::get_low_latency_rdma_size_hint(int64_t t_max, int64_t hidden, int num_ranks,
+                                               int num_experts) {
+  const char* pre = "get_low_latency_rdma_size_hint: ";
+  EPCOMM_CHECK(t_max >= 1 && hidden >= 1 && num_ranks >= 1 && num_ranks <= engine::kMaxRanks, pre,
+               "argument: expected num_max_dispatch_tokens_per_rank, hidden >= 1 and 1 <= num_ranks <= ",
+               engine::kMaxRanks, ", got ", t_max, ", ", hidden, ", ", num_ranks);
+  EPCOMM_CHECK(num_experts >= 1 && num_experts % num_ranks == 0, pre,
+               "argument: num_experts: expected a positive multiple of the ", num_ranks, " ranks, got ",
+               num_experts);
+  // Two calls in flight of E * T_max rows at the widest row of any format (bf16 plus 16 bytes of routing),
+  // spread over the lanes of the worst node partition (P ranks per node, R / P nodes); each lane also holds
+  // its fixed part and the copies of one token with its f32 partial (top-k at most 32).
+  const int64_t rows = 2 * int64_t{num_experts} * t_max * (2 * hidden + 16);
+  const int64_t token = (std::min(num_experts, 32) + 2) * (4 * hidden + 64);
+  int64_t lanes = rows;
+  for (int P = 1; P <= num_ranks; ++P)
+    if (num_ranks % P == 0) {
+      const int64_t M = num_ranks / P;
+      const auto lane =
+          static_cast<int64_t>(engine::lane_overhead_bytes(P, num_ranks)) + 4096 + rows / M + token;
+      lanes = std::max(lanes, M * ((lane + 4095) / 4096 * 4096));
+    }
+  return (lanes + 127) / 128 * 128;
 }
 
 Tensor Buffer::low_latency_combine_buffer(const Handle& handle) {

@@ -199,6 +199,11 @@ def test_round_trip_three_ranks_one_rank_empty():
     spawn(body_round_trip, 3, 2, [4, 0, 6], 6, 256, 6, 2, "random")
 
 
+def test_round_trip_two_virtual_nodes():
+    # Two nodes of one rank each (UCX over loopback); num_rdma_bytes is the size hint.
+    spawn(body_round_trip, 2, 6, [5, 3], 8, 512, 8, 3, "random", env={"EPCOMM_RANKS_PER_NODE": "1"})
+
+
 def test_round_trip_one_rank_and_one_expert():
     spawn(body_round_trip, 1, 3, [9], 9, 128, 4, 4, "random")
     spawn(body_round_trip, 2, 4, [6, 6], 6, 128, 4, 2, "one_expert")
