@@ -1,8 +1,23 @@
 """EventOverlap: completion of an asynchronous dispatch or combine (docs/normal-mode.md)."""
+from concurrent.futures import Future
+
+
+class _FutureEvent:
+    """A concurrent.futures.Future seen as an event (calls the Python front runs on a worker thread)."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def wait(self):
+        self._future.result()
+
+    def is_complete(self):
+        return self._future.done()
 
 
 class EventOverlap:
     """wait() blocks until the operation completed and raises its error (every time it is called);
+    `event` is an epcomm event or a concurrent.futures.Future;
     current_stream_wait() is wait() (CPU: there are no streams); is_complete(); `with event:` waits on exit.
     EventOverlap() with no event is a completed event (DeepEP's signature: event, extra_tensors)."""
 
@@ -12,7 +27,9 @@ class EventOverlap:
 
         if isinstance(event, EventOverlap):
             event = event.event
-        if event is not None and not isinstance(event, _C.Event):
+        if isinstance(event, Future):
+            event = _FutureEvent(event)
+        if event is not None and not isinstance(event, (_C.Event, _FutureEvent)):
             raise InvalidUsageError(f"EventOverlap: argument: event: expected an event of epcomm or None, got "
                                     f"{type(event).__name__}")
         self.event = event
@@ -48,6 +65,9 @@ def c_event(previous_event, what="previous_event"):
     if previous_event is None:
         return None
     if isinstance(previous_event, EventOverlap):
+        if isinstance(previous_event.event, _FutureEvent):  # a Python-side call: complete it here
+            previous_event.wait()
+            return None
         return previous_event.event
     if isinstance(previous_event, _C.Event):
         return previous_event

@@ -6,16 +6,16 @@ import torch
 from ._dtypes import as_format
 from ._errors import Error, InvalidUsageError, int_arg
 from .event import EventOverlap
-from .low_latency import RecvHook, hook_flags
-
-_ITEMS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts")
+from .low_latency import NamedItems, RecvHook, hook_flags
 
 
-class LowLatencyHandle(tuple):
+class LowLatencyHandle(NamedItems):
     """DeepEP's 5-item low-latency handle (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
     num_experts), with accessors of those names. src_info [L, R*T_max] i32: source token of each valid row;
     layout_range [L, R] i64: (begin << 32) | count of the rows of each local expert from each source rank.
     Tied to the Buffer that made it."""
+
+    ITEMS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts")
 
     def __new__(cls, items, impl, owner):
         self = super().__new__(cls, items)
@@ -23,12 +23,6 @@ class LowLatencyHandle(tuple):
         self._owner = owner  # id of the epcomm.Buffer
         self._combine_buffer = None
         return self
-
-    src_info = property(lambda self: self[0])
-    layout_range = property(lambda self: self[1])
-    num_max_dispatch_tokens_per_rank = property(lambda self: self[2])
-    hidden = property(lambda self: self[3])
-    num_experts = property(lambda self: self[4])
 
     def __repr__(self):
         return (f"LowLatencyHandle(num_max_dispatch_tokens_per_rank={self[2]}, hidden={self[3]}, "

@@ -46,6 +46,20 @@ class RecvHook:
         return f"RecvHook(complete={self._done})"
 
 
+class NamedItems(tuple):
+    """A tuple whose items also have names (ITEMS, set by each flavor's handle class): DeepEP code unpacks
+    the handle positionally, the Ascend port's reads its fields by name."""
+
+    ITEMS = ()
+
+    def __getattr__(self, name):
+        try:
+            return self[type(self).ITEMS.index(name)]
+        except ValueError:
+            raise AttributeError(f"{type(self).__name__} has no item {name!r} (items: "
+                                 f"{', '.join(type(self).ITEMS)})") from None
+
+
 def hook_flags(async_finish, return_recv_hook, prefix):
     """Both flags at once raise (low-latency.md §3.1)."""
     async_finish, return_recv_hook = bool(async_finish), bool(return_recv_hook)
