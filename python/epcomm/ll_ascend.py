@@ -1,0 +1,492 @@
+"""Low-latency mode, flavor "ascend" (docs/low-latency-ascend.md): the Ascend port's low_latency_dispatch /
+low_latency_combine, run on epcomm's dispatch_v2 / combine_v2 (docs/distribute-v2.md).
+
+dispatch: one dispatch_v2 call with global_bs = R * T_max (so T_s may differ per rank and be 0), expert ids
+as int32 and, when some slot is negative, a 2-D x_active_mask (negative ids mean "no expert"). recv_x is
+dispatch_v2's expand_x: [R*T_max*min(K, L), H] rows in its EP receive order (local expert, source rank,
+token), valid rows first. combine: one combine_v2 call with expert_scales = topk_weights and the dispatch's ids,
+mask and layout (kept on the handle).
+
+Every Buffer gets its own epcomm.Group over the Buffer's process group (created collectively at its first LL
+call) and one worker thread: calls with return_recv_hook or async_finish run on it, in issue order; a call
+with neither waits for what is queued there and runs on the caller's thread."""
+import concurrent.futures
+import os
+import threading
+import weakref
+
+import torch
+
+from . import _C
+from ._dtypes import torch_dtype
+from ._errors import Error, InvalidUsageError
+from .compat import expert_token_nums_prefix_sums
+from .event import EventOverlap
+from .low_latency import RecvHook, check_ll_shape, check_stats, check_tokens, hook_flags, size_hint
+
+# LL format -> (dispatch_v2 quant_mode, y_dtype name). mx_fp4_e2m1 has no dispatch_v2 mode: it is quantized
+# here (epcomm.quantize, quant.md mxfp4_e2m1 FLOOR) and its bytes travel as bf16 rows in mode 0.
+FORMATS = {
+    "bf16": (0, None),
+    "int8": (2, "i8"),
+    "pertoken_fp8_e4m3": (2, "f8e4m3"),
+    "mx_fp8_e4m3": (4, "f8e4m3"),
+    "mx_fp8_e5m2": (4, "f8e5m2"),
+    "mx_fp4_e2m1": (0, None),
+}
+QUANT_MODES = (None, "int8", "pertoken_fp8_e4m3", "mx_fp8_e4m3", "mx_fp8_e5m2", "mx_fp4_e2m1")
+
+_ITEMS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts",
+          "packed_recv_count", "expand_scales")
+
+
+class LowLatencyHandle(tuple):
+    """The Ascend port's 7-item low-latency handle (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts, packed_recv_count, expand_scales), with accessors of those names:
+    src_info = dispatch_v2's assist_info_for_combine ([A*128] i32, triples (src rank, token, slot));
+    layout_range = its ep_recv_counts ([L*R] i32, inclusive prefix over blocks j*R + s); packed_recv_count =
+    recv_count; expand_scales = the rows' topk weights ([A] f32) when topk_weights was given, else empty.
+    Tied to the Buffer that made it; pass it back as it is."""
+
+    def __new__(cls, items, meta):
+        self = super().__new__(cls, items)
+        self._meta = meta
+        return self
+
+    src_info = property(lambda self: self[0])
+    layout_range = property(lambda self: self[1])
+    num_max_dispatch_tokens_per_rank = property(lambda self: self[2])
+    hidden = property(lambda self: self[3])
+    num_experts = property(lambda self: self[4])
+    packed_recv_count = property(lambda self: self[5])
+    expand_scales = property(lambda self: self[6])
+
+    def __repr__(self):
+        return (f"LowLatencyHandle(flavor='ascend', num_max_dispatch_tokens_per_rank={self[2]}, hidden={self[3]}, "
+                f"num_experts={self[4]}, format={self._meta.format!r})")
+
+
+class _Meta:
+    """What combine needs from the dispatch besides the handle's items."""
+
+    __slots__ = ("owner", "ids", "mask", "T", "K", "rows", "global_bs", "shared_ranks", "format",
+                 "combine_buffer")
+
+
+class AsyncEvent:
+    """The event of an async_finish LL call (EventOverlap's interface): wait() blocks until the call completed
+    and raises its error (every time); current_stream_wait() is wait(); is_complete(); `with event:` waits."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def wait(self):
+        self._future.result()
+
+    def current_stream_wait(self):
+        self.wait()
+
+    def is_complete(self):
+        return self._future.done()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.wait()
+        return False
+
+    def __repr__(self):
+        return f"AsyncEvent(complete={self.is_complete()})"
+
+
+class _State:
+    """Per Buffer: its operator group and its worker thread (created on first use)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.c = group._c
+        self.token = object()  # identifies the Buffer's handles
+        self._executor = None
+        self._last = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def submit(self, fn):
+        with self._lock:
+            if self.closed:
+                raise InvalidUsageError("low-latency mode: the Buffer was destroyed")
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                       thread_name_prefix="epcomm_ll_ascend")
+            self._last = self._executor.submit(fn)
+            return self._last
+
+    def drain(self):
+        """Waits for every call queued on the worker (their errors go to their hooks and events)."""
+        last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
+
+    def shutdown(self):
+        with self._lock:
+            self.closed = True
+            ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True)
+
+
+def _prefix(buffer, op):
+    return f"epcomm[rank {buffer.rank}] {op}: "
+
+
+def _ranks_per_node(buffer):
+    """The Buffer's nodes as ranks_per_node (consecutive equal nodes), else 0 (the group context's default)."""
+    R, n = buffer.num_ranks, buffer.num_nodes
+    if n < 1 or R % n:
+        return 0
+    p = R // n
+    return p if all(buffer.node_of(r) == r // p for r in range(R)) else 0
+
+
+def _state(buffer, op):
+    st = getattr(buffer, "_ll_ascend_state", None)
+    if st is None or st.closed:
+        if getattr(buffer, "_destroyed", False):
+            raise InvalidUsageError(f"{_prefix(buffer, op)}the Buffer was destroyed")
+        if st is not None:
+            raise InvalidUsageError(f"{_prefix(buffer, op)}low-latency mode of this Buffer was shut down")
+        from .group import Group
+
+        # Collective (every rank makes its first LL call on this Buffer together).
+        g = Group(buffer.group)
+        _C.moe_init_group_context(g._c, 0, buffer.timeout_s, _ranks_per_node(buffer), 0)
+        st = _State(g)
+        buffer._ll_ascend_state = st
+        buffer._ll_ascend_finalizer = weakref.finalize(buffer, st.shutdown)
+    if getattr(buffer, "_destroyed", False):
+        st.shutdown()
+        raise InvalidUsageError(f"{_prefix(buffer, op)}the Buffer was destroyed")
+    return st
+
+
+def shutdown(buffer):
+    """Waits for the Buffer's queued LL calls and stops its worker (Buffer.destroy may call this)."""
+    st = getattr(buffer, "_ll_ascend_state", None)
+    if st is not None:
+        st.shutdown()
+
+
+def _prepared(st, core_op, pre, prepare):
+    """Runs the local checks `prepare` (which returns the call's plan). Whatever they raise fails the call on
+    every rank of the group (moe_fail_call: InvalidUsageError here, AbortedError quoting it on the peers),
+    after the calls already queued on the worker, so that no rank falls a call behind its peers."""
+    try:
+        return prepare()
+    except Error as e:
+        message = str(e)
+    except Exception as e:  # a malformed argument Python or torch rejected
+        message = f"{pre}argument: {type(e).__name__}: {e}"
+    if not message.startswith(pre):
+        message = pre + message
+    st.drain()
+    _C.moe_fail_call(st.c, None, core_op, 0, message)
+    raise InvalidUsageError(message)  # not reached: moe_fail_call raises
+
+
+def _wrapped(pre, note, fn):
+    """fn(), with epcomm errors re-raised under the LL prefix (same class) plus a note on this call."""
+    def run():
+        try:
+            fn()
+        except Error as e:
+            text = str(e)
+            if note:
+                text += f" [{note}]"
+            raise type(e)(text if text.startswith(pre) else pre + text) from None
+    return run
+
+
+def _launch(st, run, async_finish, return_recv_hook):
+    """(event, hook) of a prepared call: queued on the worker with either flag, else run here in order."""
+    if return_recv_hook:
+        fut = st.submit(run)
+        return EventOverlap(), RecvHook(fut.result)
+    if async_finish:
+        fut = st.submit(run)
+        return AsyncEvent(fut), RecvHook()
+    st.drain()
+    run()
+    return EventOverlap(), RecvHook()
+
+
+def _format(quant_mode, use_fp8, round_scale, use_ue8m0, use_mxfp4, pre):
+    if quant_mode is not None:
+        if quant_mode not in QUANT_MODES:
+            raise InvalidUsageError(f"{pre}argument: quant_mode: expected one of "
+                                    f"{', '.join(repr(m) for m in QUANT_MODES)}, got {quant_mode!r}")
+        return quant_mode
+    if use_mxfp4:
+        return "mx_fp4_e2m1"
+    if use_ue8m0:
+        return "mx_fp8_e4m3"
+    if use_fp8:
+        return "int8"
+    return "bf16"
+
+
+def _shared_expert_ranks(R, pre):
+    raw = os.environ.get("MOE_SHARED_EXPERT_RANK_NUM", "").strip()
+    if not raw:
+        return 0
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if not 0 <= v < R:
+        raise InvalidUsageError(f"{pre}MOE_SHARED_EXPERT_RANK_NUM: expected an integer in [0, {R - 1}] (fewer than "
+                                f"the {R} ranks), got {raw!r}")
+    return v
+
+
+def _weights(w, T, K, name, pre, required):
+    if w is None:
+        if required:
+            raise InvalidUsageError(f"{pre}argument: {name}: expected a [{T}, {K}] float tensor, got None")
+        return None
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or list(w.shape) != [T, K]:
+        got = f"{list(w.shape)} {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__
+        raise InvalidUsageError(f"{pre}argument: {name}: expected a [{T}, {K}] float tensor, got {got}")
+    return w.to(torch.float32).contiguous()
+
+
+def _packed_width(H):
+    """bf16 columns of one mx_fp4_e2m1 row on the wire: H/2 code bytes and ceil(H/32) scale bytes, padded."""
+    return (H // 2 + (H + 31) // 32 + 1) // 2
+
+
+def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+             cumulative_local_expert_recv_stats=None, use_fp8=True, round_scale=False, use_ue8m0=False,
+             use_mxfp4=False, async_finish=False, return_recv_hook=False, topk_weights=None, quant_mode=None):
+    """The Ascend port's low_latency_dispatch: returns (recv_x, recv_count, handle, event, hook).
+
+    recv_x: [A, H] with A = R*T_max*min(K, L) (dispatch_v2's capacity with global_bs = R*T_max), bf16, or a
+    (codes, scales) pair: int8 / float8_e4m3fn codes with f32 scales [A] (int8, pertoken_fp8_e4m3),
+    float8_e4m3fn / float8_e5m2 codes with float8_e8m0fnu scales [A*ceil(H/32)] (mx_fp8_*), or
+    float4_e2m1fn_x2 codes [A, H/2] with float8_e8m0fnu scales [A*ceil(H/32)] (mx_fp4_e2m1). recv_count [L] i64:
+    rows per local expert (inclusive prefix sums with MOE_EXPERT_TOKEN_NUMS_TYPE=0)."""
+    op = "low_latency_dispatch"
+    pre = _prefix(buffer, op)
+    st = _state(buffer, op)
+    R, rank = buffer.num_ranks, buffer.rank
+
+    def prepare():
+        af, rh = hook_flags(async_finish, return_recv_hook, pre)
+        s_r = _shared_expert_ranks(R, pre)
+        t_max, _, _, E = check_ll_shape(num_max_dispatch_tokens_per_rank, 1, R - s_r, num_experts, pre)
+        T, H, K = check_tokens(x, topk_idx, t_max, E, rank, pre)
+        if H < 1:
+            raise InvalidUsageError(f"{pre}argument: x: expected hidden >= 1, got {H}")
+        fmt = _format(quant_mode, use_fp8, round_scale, use_ue8m0, use_mxfp4, pre)
+        if fmt == "mx_fp4_e2m1" and H % 2:
+            raise InvalidUsageError(f"{pre}argument: x: mx_fp4_e2m1 needs an even hidden size, got {H}")
+        hint = size_hint(t_max, H, R, E)
+        if 0 < buffer.num_rdma_bytes < hint:
+            raise InvalidUsageError(f"{pre}argument: num_rdma_bytes: the Buffer's low-latency region has "
+                                    f"{buffer.num_rdma_bytes} bytes, this call needs {hint} "
+                                    f"(Buffer.get_low_latency_rdma_size_hint({t_max}, {H}, {R}, {E}))")
+        shared = rank < s_r
+        L = E // (R - s_r)
+        Lp = 1 if shared else L
+        stats = check_stats(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", Lp,
+                            (torch.int32,), pre)
+        w = _weights(topk_weights, T, K, "topk_weights", pre, False)
+        prefix_sums = expert_token_nums_prefix_sums()
+        rows = t_max * -(-R // s_r) if shared else R * t_max * min(K, L)
+        mode, y_dtype = FORMATS[fmt]
+
+        ids = topk_idx.to(torch.int32, copy=True).contiguous()
+        absent = ids < 0
+        mask = ~absent if bool(absent.any()) else None
+
+        send = x
+        if fmt == "mx_fp4_e2m1":
+            from .quant import quantize
+
+            codes, sc = quantize(x, "mx_fp4_e2m1") if T else (None, None)
+            Wp = _packed_width(H)
+            packed = torch.zeros(T, 2 * Wp, dtype=torch.uint8)
+            if T:
+                packed[:, :H // 2] = codes.view(torch.uint8).reshape(T, H // 2)
+                packed[:, H // 2:H // 2 + (H + 31) // 32] = sc.view(torch.uint8).reshape(T, -1)
+            send = packed.view(torch.bfloat16)
+        width = int(send.shape[1])
+
+        # Outputs, allocated here (unspecified past the valid rows), so that they exist before the call runs.
+        G = (H + 31) // 32
+        if mode == 0:
+            expand_x = torch.empty(rows, width, dtype=torch.bfloat16)
+            dyn = torch.empty(rows, dtype=torch.float32)
+        elif mode == 2:
+            expand_x = torch.empty(rows, H, dtype=torch_dtype(y_dtype))
+            dyn = torch.empty(rows, dtype=torch.float32)
+        else:
+            expand_x = torch.empty(rows, H, dtype=torch_dtype(y_dtype))
+            dyn = torch.empty(rows, G + (G & 1), dtype=torch_dtype("e8m0"))
+        assist = torch.empty(rows * 128, dtype=torch.int32)
+        token_nums = torch.empty(Lp, dtype=torch.int64)
+        ep_counts = torch.empty(R * Lp, dtype=torch.int32)
+        expand_scales = torch.empty(rows if w is not None else 0, dtype=torch.float32)
+
+        if fmt == "bf16":
+            recv_x, post = expand_x, None
+        elif mode == 2:
+            recv_x, post = (expand_x, dyn), None
+        elif mode == 4:
+            if G & 1:  # dispatch_v2 stores Align2(ceil(H/32)) bytes per row: compacted after the call
+                flat = torch.empty(rows * G, dtype=dyn.dtype)
+                post = ("compact", flat)
+            else:
+                flat, post = dyn.reshape(-1), None
+            recv_x = (expand_x, flat)
+        else:
+            fcodes = torch.empty(rows, H // 2, dtype=torch_dtype("f4x2"))
+            fscales = torch.empty(rows * G, dtype=torch_dtype("e8m0"))
+            recv_x, post = (fcodes, fscales), ("fp4", fcodes, fscales)
+
+        kw = dict(x=send, expert_ids=ids, x_active_mask=mask, expert_scales=w, ep_world_size=R, ep_rank_id=rank,
+                  moe_expert_num=E, tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
+                  shared_expert_num=1 if s_r else 0, shared_expert_rank_num=s_r, quant_mode=mode,
+                  global_bs=R * t_max, expert_token_nums_type=0 if prefix_sums else 1, y_dtype=y_dtype,
+                  expand_x_out=expand_x, dynamic_scales_out=dyn, assist_info_for_combine_out=assist,
+                  expert_token_nums_out=token_nums, ep_recv_counts_out=ep_counts,
+                  expand_scales_out=expand_scales if w is not None else None, hccl_buffsize_mb=200)
+        meta = _Meta()
+        meta.owner, meta.ids, meta.mask, meta.T, meta.K = st.token, ids, mask, T, K
+        meta.rows, meta.global_bs, meta.shared_ranks, meta.format = rows, R * t_max, s_r, fmt
+        meta.combine_buffer = None
+        handle = LowLatencyHandle((assist, ep_counts, t_max, H, E, token_nums, expand_scales), meta)
+        note = (f"this rank: num_max_dispatch_tokens_per_rank={t_max} (dispatch_v2 global_bs = num_ranks * it = "
+                f"{R * t_max}), num_experts={E}, hidden={H}, format {fmt} (dispatch_v2 quant_mode {mode})")
+        return dict(kw=kw, post=post, stats=stats, prefix_sums=prefix_sums, recv_x=recv_x, H=H, G=G,
+                    token_nums=token_nums, handle=handle, note=note, flags=(af, rh))
+
+    p = _prepared(st, "dispatch_v2", pre, prepare)
+    c = st.c
+
+    def call():
+        _C.moe_dispatch_v2(c, None, p["kw"])
+        post = p["post"]
+        if post is not None and post[0] == "compact":
+            dyn = p["kw"]["dynamic_scales_out"]
+            post[1].view(-1, p["G"]).copy_(dyn[:, :p["G"]])
+        elif post is not None:
+            H, G = p["H"], p["G"]
+            raw = p["kw"]["expand_x_out"].view(torch.uint8)
+            post[1].view(torch.uint8).copy_(raw[:, :H // 2])
+            post[2].view(torch.uint8).view(-1, G).copy_(raw[:, H // 2:H // 2 + G])
+        stats = p["stats"]
+        if stats is not None:
+            n = p["token_nums"]
+            if p["prefix_sums"]:
+                n = torch.diff(n, prepend=n.new_zeros(1))
+            stats += n.to(stats.dtype)
+
+    event, hook = _launch(st, _wrapped(pre, p["note"], call), *p["flags"])
+    return p["recv_x"], p["token_nums"], p["handle"], event, hook
+
+
+def _own_handle(st, handle, pre):
+    if isinstance(handle, LowLatencyHandle):
+        if handle._meta.owner is not st.token:
+            raise InvalidUsageError(f"{pre}argument: handle: it belongs to another Buffer; pass the handle that this "
+                                    f"Buffer's low_latency_dispatch returned")
+        return handle._meta
+    from .handle import Handle
+
+    if isinstance(handle, Handle):
+        raise InvalidUsageError(f"{pre}argument: handle: expected the handle of low_latency_dispatch, got a "
+                                f"normal-mode handle (from Buffer.dispatch)")
+    if isinstance(handle, tuple):
+        raise InvalidUsageError(f"{pre}argument: handle: expected the handle of low_latency_dispatch, got a plain "
+                                f"tuple; pass the handle itself")
+    raise InvalidUsageError(f"{pre}argument: handle: expected the handle of low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+
+
+def combine_buffer(buffer, handle):
+    """The [rows, H] bf16 tensor to write the expert outputs into for combine(..., zero_copy=True). An ordinary
+    tensor kept on the handle (combine_v2 reads it where it is); the same tensor on every call for a handle."""
+    op = "get_next_low_latency_combine_buffer"
+    pre = _prefix(buffer, op)
+    meta = _own_handle(_state(buffer, op), handle, pre)
+    if meta.combine_buffer is None:
+        meta.combine_buffer = torch.empty(meta.rows, handle.hidden, dtype=torch.bfloat16)
+    return meta.combine_buffer
+
+
+def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_finish=False,
+            return_recv_hook=False, out=None):
+    """The Ascend port's low_latency_combine: returns (combined_x, event, hook); combined_x [T, H] bf16 is
+    combine_v2's weighted sum of each token's expert outputs with expert_scales = topk_weights (written into
+    `out` when given)."""
+    op = "low_latency_combine"
+    pre = _prefix(buffer, op)
+    st = _state(buffer, op)
+
+    def prepare():
+        af, rh = hook_flags(async_finish, return_recv_hook, pre)
+        meta = _own_handle(st, handle, pre)
+        T, K, H, rows = meta.T, meta.K, handle.hidden, meta.rows
+        if (not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int64, torch.int32)
+                or list(topk_idx.shape) != [T, K]):
+            got = f"{list(topk_idx.shape)} {topk_idx.dtype}" if isinstance(topk_idx, torch.Tensor) else \
+                type(topk_idx).__name__
+            raise InvalidUsageError(f"{pre}argument: topk_idx: expected the dispatch's [{T}, {K}] int64 (or int32) "
+                                    f"tensor, got {got}")
+        diff = topk_idx.to(torch.int32) != meta.ids
+        if bool(diff.any()):
+            t, k = (int(v) for v in diff.nonzero()[0])
+            raise InvalidUsageError(f"{pre}argument: topk_idx: differs from the dispatch's at [{t}, {k}]: "
+                                    f"{int(topk_idx[t, k])}, the dispatch had {int(meta.ids[t, k])}")
+        w = _weights(topk_weights, T, K, "topk_weights", pre, True)
+        if zero_copy:
+            if meta.combine_buffer is None:
+                raise InvalidUsageError(f"{pre}argument: zero_copy: True, but the combine buffer of this handle "
+                                        f"was never requested (call get_next_low_latency_combine_buffer(handle) "
+                                        f"and write the expert outputs into it)")
+            src = meta.combine_buffer
+        else:
+            if (not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2
+                    or int(x.shape[1]) != H or int(x.shape[0]) > rows):
+                got = f"{list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InvalidUsageError(f"{pre}argument: x: expected a [{rows}, {H}] torch.bfloat16 tensor (the "
+                                        f"dispatch's rows), got {got}")
+            src = x.contiguous()
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or list(out.shape) != [T, H]:
+                got = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise InvalidUsageError(f"{pre}argument: out: expected a [{T}, {H}] torch.bfloat16 tensor, got {got}")
+            result = out
+        else:
+            result = torch.empty(T, H, dtype=torch.bfloat16)
+        target = result if result.is_contiguous() else torch.empty(T, H, dtype=torch.bfloat16)
+        s_r = meta.shared_ranks
+        kw = dict(expand_x=src, expert_ids=meta.ids, assist_info_for_combine=handle.src_info,
+                  ep_send_counts=handle.layout_range, expert_scales=w, ep_world_size=buffer.num_ranks,
+                  ep_rank_id=buffer.rank, moe_expert_num=handle.num_experts, x_active_mask=meta.mask,
+                  tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1 if s_r else 0,
+                  shared_expert_rank_num=s_r, global_bs=meta.global_bs, comm_quant_mode=0, x_out=target,
+                  hccl_buffsize_mb=200)
+        return dict(kw=kw, result=result, target=target, flags=(af, rh))
+
+    p = _prepared(st, "combine_v2", pre, prepare)
+    c = st.c
+
+    def call():
+        _C.moe_combine_v2(c, None, p["kw"])
+        if p["target"] is not p["result"]:
+            p["result"].copy_(p["target"])
+
+    event, hook = _launch(st, _wrapped(pre, "", call), *p["flags"])
+    return p["result"], event, hook
