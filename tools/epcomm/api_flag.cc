@@ -13,7 +13,7 @@ std::string take_api_flag(int& argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     const char* a = argv[i];
     if (std::strcmp(a, "--api") == 0) {
-      if (i + 1 >= argc) throw UsageError("--api: missing value (normal or distribute-v2)");
+      if (i + 1 >= argc) throw UsageError("--api: missing value (normal, distribute-v2 or low-latency)");
       api = argv[++i];
       continue;
     }
@@ -24,8 +24,8 @@ std::string take_api_flag(int& argc, char** argv) {
     argv[out++] = argv[i];
   }
   argc = out;
-  if (api != "normal" && api != "distribute-v2")
-    throw UsageError(bad_value("api", "normal or distribute-v2", api));
+  if (api != "normal" && api != "distribute-v2" && api != "low-latency")
+    throw UsageError(bad_value("api", "normal, distribute-v2 or low-latency", api));
   return api;
 }
 

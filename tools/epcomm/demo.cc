@@ -369,13 +369,15 @@ int demo_rank(const DemoOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
 }  // namespace
 
 int run_demo(int argc, char** argv) {
-  if (take_api_flag(argc, argv) == "distribute-v2") return run_demo_v2(argc, argv);
+  const std::string api = take_api_flag(argc, argv);
+  if (api == "distribute-v2") return run_demo_v2(argc, argv);
+  if (api == "low-latency") return run_demo_ll(argc, argv);
   FlagParser p("epcomm demo", "epcomm demo [flags]",
                "Runs one Mixture-of-Experts layer forward over local ranks and checks it against a dense\n"
                "single-process reference; prints PASS/FAIL, timings and load balance.");
-  p.add("api", "normal|distribute-v2", "normal",
+  p.add("api", "normal|distribute-v2|low-latency", "normal",
         "API family; distribute-v2 runs the layer through dispatch_v2/combine_v2 instead (see 'epcomm demo "
-        "--api distribute-v2 --help')");
+        "--api distribute-v2 --help'), low-latency a decode loop through low_latency_dispatch/combine");
   add_run_flags(p, {4, 256, 1024, 32, 4, 1, "expert_major"});
   p.add("intermediate", "I", "256", "inner width of each SwiGLU expert");
   p.set_epilog(kDemoEpilog);
