@@ -290,7 +290,7 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         fmt = _format(quant_mode, use_fp8, round_scale, use_ue8m0, use_mxfp4, pre)
         if fmt == "mx_fp4_e2m1" and H % 2:
             raise InvalidUsageError(f"{pre}argument: x: mx_fp4_e2m1 needs an even hidden size, got {H}")
-        hint = size_hint(t_max, H, R, E)
+        hint = size_hint(t_max, H, R - s_r, E) if buffer.num_rdma_bytes > 0 else 0
         if 0 < buffer.num_rdma_bytes < hint:
             raise InvalidUsageError(f"{pre}argument: num_rdma_bytes: the Buffer's low-latency region has "
                                     f"{buffer.num_rdma_bytes} bytes, this call needs {hint} "

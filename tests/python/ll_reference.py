@@ -6,14 +6,25 @@ import struct
 import torch
 
 
-def rows_of(p, ids, E, R):
-    """Receiving rank p (no shared-expert ranks): (rows, cnt, nums) with rows = [(s, t, k)] in dispatch_v2's EP
-    receive order (local expert, then source rank, then the sender's order t*K + k), cnt = ep_recv_counts (the
-    inclusive running total after each block j*R + s) and nums = per-local-expert counts."""
-    L = E // R
+def rows_of(p, ids, E, R, shared_ranks=0):
+    """Receiving rank p: (rows, cnt, nums) with rows = [(s, t, k)] in dispatch_v2's EP receive order (local
+    expert, then source rank, then the sender's order t*K + k), cnt = ep_recv_counts (the inclusive running
+    total after each block j*R + s) and nums = per-local-expert counts. With shared_ranks = n > 0 the first n
+    ranks hold n replicas of one shared expert (distribute-v2.md §3): shared rank p receives every active token
+    (one with some id >= 0) of the sources s with s % n == p % n, as (s, t, K)."""
+    if p < shared_ranks:
+        rows, cnt = [], []
+        for s in range(R):
+            if s % shared_ranks == p % shared_ranks:
+                for t in range(ids[s].shape[0]):
+                    if bool((ids[s][t] >= 0).any()):
+                        rows.append((s, t, ids[s].shape[1]))
+            cnt.append(len(rows))
+        return rows, cnt, [len(rows)]
+    L = E // (R - shared_ranks)
     rows, cnt, nums = [], [], []
     for j in range(L):
-        e = p * L + j
+        e = (p - shared_ranks) * L + j
         before = len(rows)
         for s in range(R):
             for t in range(ids[s].shape[0]):
@@ -33,8 +44,11 @@ def prefix_sums(nums):
     return out
 
 
-def capacity(R, T_max, K, L):
-    """Rows of recv_x: the A of distribute-v2.md §3 with global_bs = R * T_max, i.e. R*T_max*min(K, L)."""
+def capacity(R, T_max, K, L, shared_rank=0):
+    """Rows of recv_x: the A of distribute-v2.md §3 with global_bs = R * T_max, i.e. R*T_max*min(K, L); on a
+    shared-expert rank (shared_rank = n replicas) T_max * ceil(R / n)."""
+    if shared_rank:
+        return T_max * -(-R // shared_rank)
     return R * T_max * min(K, L)
 
 
@@ -166,10 +180,11 @@ def quantize_row(row, fmt):
 
 # ---- combine -------------------------------------------------------------------------------------------------
 
-def combine(y_of, ids, w, H):
+def combine(y_of, ids, w, H, shared_of=None):
     """combine_v2's weighted sum for one rank's tokens (distribute-v2.md §6, no shared experts):
     out[t] = bf16(sum over k ascending with ids[t,k] >= 0 of f32(w[t,k]) * f32(y_of(t, k))), start +0.0, each
-    product rounded to fp32 and then added (no FMA), one final rounding. A token without pairs gives +0."""
+    product rounded to fp32 and then added (no FMA), then the shared expert's row shared_of(t) unweighted, one
+    final rounding. A token without pairs gives +0 (it is inactive: no shared row either)."""
     T, K = ids.shape
     out = []
     for t in range(T):
@@ -178,5 +193,7 @@ def combine(y_of, ids, w, H):
             if int(ids[t, k]) >= 0:
                 prod = w[t, k].float() * y_of(t, k).float()
                 acc = prod + 0.0 if acc is None else acc + prod
+        if acc is not None and shared_of is not None:
+            acc = acc + shared_of(t).float()
         out.append((acc if acc is not None else torch.zeros(H)).to(torch.bfloat16))
     return torch.stack(out) if out else torch.zeros(0, H, dtype=torch.bfloat16)

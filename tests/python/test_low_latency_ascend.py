@@ -305,6 +305,35 @@ def test_hooks_async_zero_copy_interleaved():
     spawn(_hooks_body, 2)
 
 
+# ---- MOE_SHARED_EXPERT_RANK_NUM: shared-expert ranks first ---------------------------------------------
+
+def _shared_body(rank, world):
+    S_r, E, K, H, T_max = 1, 4, 2, 128, 3
+    buf = new_buffer()
+    xs, ids, ws, ys = make_problem(world, E, K, H, [T_max, 2, T_max], 31)
+    zs = [(x.float() * 0.5 + 1).bfloat16() for x in xs]  # the shared expert's outputs
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, use_fp8=False,
+                                                                topk_weights=ws[rank])
+    rows, cnt, nums = ref.rows_of(rank, ids, E, world, shared_ranks=S_r)
+    L = E // (world - S_r)
+    A = ref.capacity(world, T_max, K, L, shared_rank=S_r if rank < S_r else 0)
+    n = len(rows)
+    assert recv_x.shape == (A, H) and recv_count.tolist() == nums and handle.layout_range.tolist() == cnt
+    assert handle.src_info[:3 * n].tolist() == [v for r in rows for v in r]
+    assert same_bits(recv_x[:n], torch.stack([xs[s][t] for s, t, _ in rows]))
+    x = torch.full((A, H), float("nan")).bfloat16()
+    for i, (s, t, k) in enumerate(rows):
+        x[i] = zs[s][t] if k == K else ys[s][t, k]
+    y, _, _ = buf.low_latency_combine(x, ids[rank], ws[rank], handle)
+    want = ref.combine(lambda t, k: ys[rank][t, k], ids[rank], ws[rank], H, shared_of=lambda t: zs[rank][t])
+    assert same_bits(y, want)
+    buf.destroy()
+
+
+def test_shared_expert_ranks():
+    spawn(_shared_body, 3, env={"MOE_SHARED_EXPERT_RANK_NUM": "1"})
+
+
 # ---- errors: on every rank, before data moves; the Buffer stays usable -----------------------------------
 
 def _expect(rank, bad_rank, what, fn):
