@@ -22,7 +22,7 @@ from ._dtypes import torch_dtype
 from ._errors import Error, InvalidUsageError
 from .compat import expert_token_nums_prefix_sums
 from .event import EventOverlap
-from .low_latency import RecvHook, check_ll_shape, check_stats, check_tokens, hook_flags, size_hint
+from .low_latency import RecvHook, check_ll_shape, check_stats, check_tokens, check_topk_ids, hook_flags, size_hint
 
 # LL format -> (dispatch_v2 quant_mode, y_dtype name). mx_fp4_e2m1 has no dispatch_v2 mode: it is quantized
 # here (epcomm.quantize, quant.md mxfp4_e2m1 FLOOR) and its bytes travel as bf16 rows in mode 0.
@@ -202,7 +202,7 @@ def _wrapped(pre, note, fn):
         except Error as e:
             text = str(e)
             if note:
-                text += f" [{note}]"
+                text += f" [{note()}]"
             raise type(e)(text if text.startswith(pre) else pre + text) from None
     return run
 
@@ -284,7 +284,12 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         af, rh = hook_flags(async_finish, return_recv_hook, pre)
         s_r = _shared_expert_ranks(R, pre)
         t_max, _, _, E = check_ll_shape(num_max_dispatch_tokens_per_rank, 1, R - s_r, num_experts, pre)
-        T, H, K = check_tokens(x, topk_idx, t_max, E, rank, pre)
+        # Ids are range-checked here only where one is >= E (int64 ids must not wrap in the int32 conversion);
+        # dispatch_v2 checks the active ones (range, distinct within a row) on every call and fails the call on
+        # every rank, naming the token and both slots.
+        T, H, K = check_tokens(x, topk_idx, t_max, E, rank, pre, check_ids=False)
+        if T and bool((topk_idx >= E).any()):
+            check_topk_ids(topk_idx, E, rank, pre)
         if H < 1:
             raise InvalidUsageError(f"{pre}argument: x: expected hidden >= 1, got {H}")
         fmt = _format(quant_mode, use_fp8, round_scale, use_ue8m0, use_mxfp4, pre)
@@ -305,7 +310,7 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         rows = t_max * -(-R // s_r) if shared else R * t_max * min(K, L)
         mode, y_dtype = FORMATS[fmt]
 
-        ids = topk_idx.to(torch.int32, copy=True).contiguous()
+        ids = topk_idx.clamp(min=-1).to(torch.int32).contiguous()  # a copy: negative ids become -1
         absent = ids < 0
         mask = ~absent if bool(absent.any()) else None
 
@@ -366,8 +371,10 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         meta.rows, meta.global_bs, meta.shared_ranks, meta.format = rows, R * t_max, s_r, fmt
         meta.combine_buffer = None
         handle = LowLatencyHandle((assist, ep_counts, t_max, H, E, token_nums, expand_scales), meta)
-        note = (f"this rank: num_max_dispatch_tokens_per_rank={t_max} (dispatch_v2 global_bs = num_ranks * it = "
-                f"{R * t_max}), num_experts={E}, hidden={H}, format {fmt} (dispatch_v2 quant_mode {mode})")
+        def note():  # built only for an error message
+            return (f"this rank: num_max_dispatch_tokens_per_rank={t_max} (dispatch_v2 global_bs = num_ranks * it = "
+                    f"{R * t_max}), num_experts={E}, hidden={H}, format {fmt} (dispatch_v2 quant_mode {mode}); "
+                    f"expert_ids = topk_idx")
         return dict(kw=kw, post=post, stats=stats, prefix_sums=prefix_sums, recv_x=recv_x, H=H, G=G,
                     token_nums=token_nums, handle=handle, note=note, flags=(af, rh))
 
@@ -444,8 +451,10 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
                 type(topk_idx).__name__
             raise InvalidUsageError(f"{pre}argument: topk_idx: expected the dispatch's [{T}, {K}] int64 (or int32) "
                                     f"tensor, got {got}")
-        diff = topk_idx.to(torch.int32) != meta.ids
-        if bool(diff.any()):
+        given = topk_idx.clamp(min=-1)  # negative ids all mean "no expert"
+        want = meta.ids.to(given.dtype)
+        if not torch.equal(given, want):
+            diff = given != want
             t, k = (int(v) for v in diff.nonzero()[0])
             raise InvalidUsageError(f"{pre}argument: topk_idx: differs from the dispatch's at [{t}, {k}]: "
                                     f"{int(topk_idx[t, k])}, the dispatch had {int(meta.ids[t, k])}")

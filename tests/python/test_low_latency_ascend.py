@@ -93,8 +93,9 @@ def check_dispatch(out, fmt, p, R, E, K, H, T_max, xs, ids, ws, cache, prefix=Fa
         if key not in cache:
             cache[key] = ref.quantize_row(xs[s][t], fmt)
         c, sc = cache[key]
-        assert torch.equal(bits(codes[i]), c.view(torch.uint8) if c.dtype != torch.int8 else c), \
-            f"{fmt} rank {p} row {i} (s={s}, t={t}): codes {(bits(codes[i]) != c.view(torch.uint8) if c.dtype != torch.int8 else c).nonzero().flatten().tolist()[:5]} {bits(codes[i])[:8].tolist()} {c[:8].tolist()}"
+        want = c.view(torch.uint8) if c.dtype != torch.int8 else c
+        assert torch.equal(bits(codes[i]), want), \
+            f"{fmt} rank {p} row {i} (s={s}, t={t}): codes {bits(codes[i]).tolist()} != {want.tolist()}"
         if scales.dtype == torch.float32:
             assert bits(scales[i]).item() == bits(sc.reshape(1)).item(), f"{fmt} rank {p} row {i}: scale"
         else:
@@ -372,8 +373,8 @@ def _errors_body(rank, world):
         if b == rank:
             args.update(kw)
         a = dict(args)
-        return lambda: buf.low_latency_dispatch(a.pop("x"), a.pop("topk_idx"), a.pop("num_max_dispatch_tokens_per_rank"),
-                                                a.pop("num_experts"), **a)
+        return lambda: buf.low_latency_dispatch(a.pop("x"), a.pop("topk_idx"),
+                                                a.pop("num_max_dispatch_tokens_per_rank"), a.pop("num_experts"), **a)
 
     repeated = idx.clone()
     if repeated.shape[0]:
@@ -386,10 +387,11 @@ def _errors_body(rank, world):
         (1, "argument: topk_idx", dict(topk_idx=idx[:, :1].t())),
         (1, "argument: topk_idx", dict(topk_idx=idx.float())),
         (1, "out of range", dict(topk_idx=torch.where(idx >= 0, idx, E))),
-        (0, "twice (slots 0 and 1)", dict(topk_idx=repeated)),
+        (0, "slots 0 and 1 both select expert 1", dict(topk_idx=repeated)),
         (1, "async_finish and return_recv_hook", dict(async_finish=True, return_recv_hook=True)),
         (1, "quant_mode", dict(quant_mode="int4")),
-        (1, "cumulative_local_expert_recv_stats", dict(cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))),
+        (1, "cumulative_local_expert_recv_stats",
+         dict(cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))),
         (1, "cumulative_local_expert_recv_stats", dict(cumulative_local_expert_recv_stats=torch.zeros(2))),
         (1, "topk_weights", dict(topk_weights=w[:, :1])),
         (1, "num_experts", dict(num_experts=3)),
@@ -443,7 +445,18 @@ def _errors_body(rank, world):
     _expect(rank, None, "even hidden", lambda: buf.low_latency_dispatch(torch.zeros(x.shape[0], 33).bfloat16(), idx,
                                                                          T_max, E, quant_mode="mx_fp4_e2m1"))
     good()
-    # A late argument error on one rank while the other has a hooked dispatch queued: the order holds.
+    # An error found by the queued call itself (T_max differs across ranks) is raised by its hook, every time;
+    # then a late argument error on one rank while a hooked dispatch is queued: the order holds.
+    bad_t = T_max + (rank == 1)
+    o = buf.low_latency_dispatch(x, idx, bad_t, E, use_fp8=False, return_recv_hook=True)
+    for _ in range(2):
+        with pytest.raises(epcomm.InvalidUsageError, match="num_max_dispatch_tokens_per_rank"):
+            o[4]()
+    o = buf.low_latency_dispatch(x, idx, bad_t, E, use_fp8=False, async_finish=True)
+    with pytest.raises(epcomm.InvalidUsageError, match="global_bs"):
+        o[3].wait()
+    assert o[3].is_complete()
+    good()
     o = buf.low_latency_dispatch(x, idx, T_max, E, use_fp8=False, return_recv_hook=True)
     _expect(rank, 1, "argument: x", D(1, x=x.float()))
     o[4]()
