@@ -292,6 +292,13 @@ def _hooks_body(rank, world):
     o4[4]()
     check(o4, p2)
     check(o1, p1)
+    # int32 ids, and other negative ids than -1, mean the same.
+    xs, ids, ws, _ = p1
+    odd = torch.where(ids[rank] < 0, -7, ids[rank]).to(torch.int32)
+    o6 = buf.low_latency_dispatch(xs[rank], odd, T_max, E, use_fp8=False, topk_weights=ws[rank])
+    check(o6, p1)
+    y6, _, _ = buf.low_latency_combine(combine_x(p1), odd, ws[rank].double(), o6[2])
+    assert same_bits(y6, expect_combine(rank, p1[1], p1[2], p1[3], H))
     # A non-contiguous out=.
     wide = torch.zeros(p1[0][rank].shape[0], 2 * H).bfloat16()
     y6, _, _ = buf.low_latency_combine(combine_x(p1), p1[1][rank], p1[2][rank], o5[2], out=wide[:, ::2])
@@ -299,7 +306,13 @@ def _hooks_body(rank, world):
     assert not bool(wide[:, 1::2].float().any())
     _normal_round_trip(buf, rank, world, E, H)
     del normal_handle
+    # After destroy, LL calls raise and the worker thread is gone.
+    import threading
+    assert any(t.name.startswith("epcomm_ll_ascend") for t in threading.enumerate())
     buf.destroy()
+    with pytest.raises(epcomm.InvalidUsageError, match="destroyed"):
+        dispatch(p1)
+    assert not any(t.name.startswith("epcomm_ll_ascend") for t in threading.enumerate())
 
 
 def test_hooks_async_zero_copy_interleaved():
@@ -397,6 +410,7 @@ def _errors_body(rank, world):
         (1, "num_experts", dict(num_experts=3)),
         (None, "num_experts", dict(num_experts=5)),  # E % R on every rank
         (1, "num_max_dispatch_tokens_per_rank", dict(num_max_dispatch_tokens_per_rank=T_max + 1)),
+        (1, "num_experts", dict(num_experts=2 * E)),  # E differs across ranks
         (1, "hidden", dict(x=torch.zeros(x.shape[0], 2 * H).bfloat16())),
         (1, "quant_mode", dict(use_fp8=True)),  # format differs across ranks
     ]
