@@ -235,6 +235,10 @@ class Buffer:
         """Local: waits for this rank's queued operations, releases the segment, invalidates the handles."""
         if not self._destroyed:
             self._destroyed = True
+            if getattr(self, "_ll_ascend_state", None) is not None:  # its low-latency worker thread
+                from . import ll_ascend
+
+                ll_ascend.shutdown(self)
             self._impl.destroy()
         _live_buffers.discard(self)
 

@@ -22,7 +22,7 @@ from ._dtypes import torch_dtype
 from ._errors import Error, InvalidUsageError
 from .compat import expert_token_nums_prefix_sums
 from .event import EventOverlap
-from .low_latency import RecvHook, check_ll_shape, check_stats, check_tokens, check_topk_ids, hook_flags, size_hint
+from .low_latency import NamedItems, RecvHook, check_ll_shape, check_stats, check_tokens, check_topk_ids, hook_flags, size_hint
 
 # LL format -> (dispatch_v2 quant_mode, y_dtype name). mx_fp4_e2m1 has no dispatch_v2 mode: it is quantized
 # here (epcomm.quantize, quant.md mxfp4_e2m1 FLOOR) and its bytes travel as bf16 rows in mode 0.
@@ -36,11 +36,7 @@ FORMATS = {
 }
 QUANT_MODES = (None, "int8", "pertoken_fp8_e4m3", "mx_fp8_e4m3", "mx_fp8_e5m2", "mx_fp4_e2m1")
 
-_ITEMS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts",
-          "packed_recv_count", "expand_scales")
-
-
-class LowLatencyHandle(tuple):
+class LowLatencyHandle(NamedItems):
     """The Ascend port's 7-item low-latency handle (src_info, layout_range, num_max_dispatch_tokens_per_rank,
     hidden, num_experts, packed_recv_count, expand_scales), with accessors of those names:
     src_info = dispatch_v2's assist_info_for_combine ([A*128] i32, triples (src rank, token, slot));
@@ -48,18 +44,13 @@ class LowLatencyHandle(tuple):
     recv_count; expand_scales = the rows' topk weights ([A] f32) when topk_weights was given, else empty.
     Tied to the Buffer that made it; pass it back as it is."""
 
+    ITEMS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts",
+             "packed_recv_count", "expand_scales")
+
     def __new__(cls, items, meta):
         self = super().__new__(cls, items)
         self._meta = meta
         return self
-
-    src_info = property(lambda self: self[0])
-    layout_range = property(lambda self: self[1])
-    num_max_dispatch_tokens_per_rank = property(lambda self: self[2])
-    hidden = property(lambda self: self[3])
-    num_experts = property(lambda self: self[4])
-    packed_recv_count = property(lambda self: self[5])
-    expand_scales = property(lambda self: self[6])
 
     def __repr__(self):
         return (f"LowLatencyHandle(flavor='ascend', num_max_dispatch_tokens_per_rank={self[2]}, hidden={self[3]}, "
@@ -71,33 +62,6 @@ class _Meta:
 
     __slots__ = ("owner", "ids", "mask", "T", "K", "rows", "global_bs", "shared_ranks", "format",
                  "combine_buffer")
-
-
-class AsyncEvent:
-    """The event of an async_finish LL call (EventOverlap's interface): wait() blocks until the call completed
-    and raises its error (every time); current_stream_wait() is wait(); is_complete(); `with event:` waits."""
-
-    def __init__(self, future):
-        self._future = future
-
-    def wait(self):
-        self._future.result()
-
-    def current_stream_wait(self):
-        self.wait()
-
-    def is_complete(self):
-        return self._future.done()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.wait()
-        return False
-
-    def __repr__(self):
-        return f"AsyncEvent(complete={self.is_complete()})"
 
 
 class _State:
@@ -214,7 +178,7 @@ def _launch(st, run, async_finish, return_recv_hook):
         return EventOverlap(), RecvHook(fut.result)
     if async_finish:
         fut = st.submit(run)
-        return AsyncEvent(fut), RecvHook()
+        return EventOverlap(fut), RecvHook()
     st.drain()
     run()
     return EventOverlap(), RecvHook()
