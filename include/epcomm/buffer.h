@@ -84,7 +84,8 @@ class Handle {
   std::vector<int64_t> num_rows_per_source_and_receiver() const;
   // [T * R] 0/1: whether own token t was sent to rank d (the layout's is_token_in_rank).
   std::vector<uint8_t> is_token_in_rank() const;
-  Tensor recv_src_rank() const;   // [num_rows] i32, -1 for PAD/tail rows
+  // [num_rows] i32, -1 for PAD/tail rows (a low-latency handle: unspecified past each expert's pairs)
+  Tensor recv_src_rank() const;
   Tensor recv_src_token() const;  // [num_rows] i32
   Tensor recv_src_slot() const;   // [num_rows] i32, all -1 in rank_major
   uint64_t dispatch_id() const;   // the group-wide sequence number of the dispatch that made it

@@ -94,10 +94,6 @@ struct Outputs {
       wr[k] = std::bit_cast<float>(bits);
     }
   }
-  // The unwritten rows of a low-latency block: source -1 only (their payload is unspecified).
-  void clear_sources(int64_t begin, int64_t end) const {
-    for (int64_t r = begin; r < end; ++r) src_rank[r] = src_token[r] = src_slot[r] = -1;
-  }
   // PAD and tail rows: zero payload, ids -1, weights +0, source -1.
   void fill_empty(int64_t begin, int64_t end) const {
     if (begin >= end) return;
@@ -652,9 +648,9 @@ void DispatchCall::bind_outputs() {
   o_.src_rank = nh_->recv_src_rank.data_as<int32_t>();
   o_.src_token = nh_->recv_src_token.data_as<int32_t>();
   o_.src_slot = nh_->recv_src_slot.data_as<int32_t>();
-  if (in_.expert_block_rows > 0) {
-    for (int j = 0; j < L_; ++j) o_.clear_sources(plan_.pad_begin[j], plan_.block_end[j]);
-  } else if (in_.order == ReceiveOrder::expert_major) {
+  // Low-latency blocks: the rows past each expert's pairs stay unwritten, source entries included (spec:
+  // unspecified; nothing reads them), so a call touches only the memory its rows fill.
+  if (in_.expert_block_rows == 0 && in_.order == ReceiveOrder::expert_major) {
     for (int j = 0; j < L_; ++j) o_.fill_empty(plan_.pad_begin[j], plan_.block_end[j]);
   }
   o_.fill_empty(N_, rows_);

@@ -34,8 +34,8 @@ struct DispatchInput {
   int num_experts = 0, num_topk = 0;  // num_topk 0: no top-k (rank_major with is_token_in_rank)
   int64_t num_tokens = 0, hidden = 0, expert_alignment = 1, num_worst_tokens = 0;
   // Low-latency layout (expert_major, docs/low-latency.md): every local expert owns a block of this many
-  // rows (R * T_max), its pairs first; the rest of the block is left unwritten except for the source
-  // rows (-1), and no recv_topk_idx / recv_topk_weights are produced. 0: the normal-mode layout.
+  // rows (R * T_max), its pairs first; the rest of the block (payload and source entries) is left unwritten,
+  // and no recv_topk_idx / recv_topk_weights are produced. 0: the normal-mode layout.
   int64_t expert_block_rows = 0;
   RowFormat format;
   DType x_dtype = DType::bf16;
