@@ -2,6 +2,7 @@
 time.perf_counter, memory queries answered from the host. Also used for torch.npu (npu.py)."""
 import contextlib
 import os
+import sys
 import time
 import types
 
@@ -101,14 +102,26 @@ def _host_memory():
         return 64 << 30, 64 << 30
 
 
+def _from_torch():
+    """True when the caller of the shimmed function is torch's own code."""
+    name = sys._getframe(2).f_globals.get("__name__", "")
+    return name == "torch" or name.startswith("torch.")
+
+
 def make_namespace(kind="cuda"):
     """The attributes that replace torch.cuda's (or form torch.npu)."""
     ns = {}
 
+    # The script sees an accelerator; torch's own code (dynamo, inductor, distributed, profiler) does not,
+    # so it keeps to its CPU paths instead of calling into the CUDA runtime it doesn't have.
     def is_available():
+        if _from_torch():
+            return False
         return os.environ.get("PEER_SHIM_CUDA_AVAILABLE", "1") == "1"
 
     def device_count():
+        if _from_torch():
+            return 0
         return _env_int("PEER_SHIM_DEVICE_COUNT", 8)
 
     def set_device(device):
@@ -158,6 +171,8 @@ def make_namespace(kind="cuda"):
         return (9, 0)
 
     def get_device_properties(device=None):
+        if _from_torch():
+            raise RuntimeError("peer_shim: no CUDA device for torch's own code")
         free, total = _host_memory()
         return types.SimpleNamespace(name=get_device_name(), total_memory=total, major=9, minor=0,
                                      multi_processor_count=os.cpu_count() or 1, is_integrated=False,
@@ -176,7 +191,16 @@ def make_namespace(kind="cuda"):
         return {}
 
     def is_initialized():
-        return True
+        return not _from_torch()
+
+    def get_rng_state(device="cuda"):
+        return torch.zeros(0, dtype=torch.uint8, device="cpu")
+
+    def get_rng_state_all():
+        return [get_rng_state() for _ in range(device_count())]
+
+    def initial_seed():
+        return torch.initial_seed()
 
     nvtx = types.SimpleNamespace(range_push=noop, range_pop=noop, mark=noop,
                                  range=lambda *a, **k: contextlib.nullcontext())
@@ -189,7 +213,15 @@ def make_namespace(kind="cuda"):
               memory_reserved=zero, max_memory_reserved=zero, reset_peak_memory_stats=noop,
               reset_max_memory_allocated=noop, empty_cache=noop, memory_stats=memory_stats,
               is_initialized=is_initialized, init=noop, manual_seed=noop, manual_seed_all=noop,
-              ipc_collect=noop, nvtx=nvtx, is_bf16_supported=lambda *a, **k: True)
+              ipc_collect=noop, nvtx=nvtx,
+              get_rng_state=get_rng_state, set_rng_state=noop, get_rng_state_all=get_rng_state_all,
+              set_rng_state_all=noop, seed=noop, seed_all=noop, initial_seed=initial_seed, is_bf16_supported=lambda *a, **k: True)
+    # one function object per name (torch._dynamo rejects one object registered under two torch names)
+    for name, value in list(ns.items()):
+        if isinstance(value, types.FunctionType):
+            f = types.FunctionType(value.__code__, value.__globals__, name, value.__defaults__, value.__closure__)
+            f.__qualname__ = f"peer_shim.{kind}.{name}"
+            ns[name] = f
     return ns
 
 
