@@ -1,6 +1,6 @@
 """bench_kineto without kineto: there are no CUDA kernels on a CPU, so the "kernel" time of `name` is the
 wall time of the Buffer methods whose name ends in `_<name>` or is `<name>` (low_latency_dispatch for
-"dispatch", ...), measured around each call; with return_recv_hook the hook's call is timed too and, with
+"dispatch", ...; Ascend kernel names such as "MoeLowLatencyDispatchV2" map to low_latency_dispatch), measured around each call; with return_recv_hook the hook's call is timed too and, with
 num_kernels_per_period > 1, reported as the second part ([send, recv] per name), like DeepEP's.
 
 PEER_SHIM_KINETO_TESTS (default 1) sets how many times fn runs (DeepEP's num_tests is capped by it):
@@ -29,13 +29,25 @@ class _Recorder:
                 out.append(cls)
         return out
 
+    @staticmethod
+    def _matches(attr, name):
+        """DeepEP's names ("dispatch") match Buffer.dispatch and Buffer.*_dispatch; kernel names such as
+        sgl-kernel-npu's "MoeLowLatencyDispatchV2" match *_dispatch (low_latency_* only, if "LowLatency")."""
+        if attr == name or attr.endswith("_" + name):
+            return True
+        low = name.lower()
+        for op in ("dispatch", "combine"):
+            if op in low and op != low and (attr == op or attr.endswith("_" + op)):
+                return "lowlatency" not in low.replace("_", "") or attr.startswith("low_latency_")
+        return False
+
     def __enter__(self):
         for cls in self._classes():
             for attr in dir(cls):
                 if attr.startswith("_"):
                     continue
                 for n in self.names:
-                    if attr == n or attr.endswith("_" + n):
+                    if self._matches(attr, n):
                         fn = cls.__dict__.get(attr)
                         if callable(fn):
                             self.patched.append((cls, attr, fn))

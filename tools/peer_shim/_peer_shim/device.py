@@ -1,5 +1,5 @@
 """Accelerator devices -> CPU: a TorchFunctionMode (pushed on the importing thread, the script's main
-thread) rewrites `device=` of every torch call, the positional device of Tensor.to, and makes .cuda()/.npu()/
+thread) rewrites `device=` of every torch call, torch.device("cuda"/"npu"...) itself, the positional device of Tensor.to, and makes .cuda()/.npu()/
 pin_memory()/record_stream() no-ops; torch.set_default_device("cuda") becomes "cpu"."""
 import functools
 
@@ -43,6 +43,8 @@ class CpuDeviceMode(TorchFunctionMode):
             return args[0]
         if func in _NONE_METHODS:
             return None
+        if func is torch.device and args and isinstance(args[0], str) and is_accel(args[0]):
+            return torch.device("cpu")  # torch.device("npu:0") would not even parse without torch_npu
         if "device" in kwargs and is_accel(kwargs["device"]):
             kwargs = dict(kwargs, device=torch.device("cpu"))
         if func is _TO and len(args) > 1:
