@@ -822,7 +822,9 @@ int run_quantizer_bench(const FlagParser& p) {
 }  // namespace
 
 int run_bench(int argc, char** argv) {
-  if (take_api_flag(argc, argv) == "distribute-v2") return run_bench_v2(argc, argv);
+  const std::string api = take_api_flag(argc, argv);
+  if (api == "distribute-v2") return run_bench_v2(argc, argv);
+  if (api == "low-latency") return run_bench_ll(argc, argv);
   FlagParser p(
       "epcomm bench", "epcomm bench [flags]\n       mpirun -n R epcomm bench [flags]",
       "Times dispatch and combine between ranks on this host; prints one JSON object per line (rank 0,\n"
@@ -830,9 +832,9 @@ int run_bench(int argc, char** argv) {
       "mpirun (--bootstrap mpi, the default there) it also times the MPI_Alltoallv baseline. With\n"
       "--quantizers it benchmarks the block quantizers instead.");
   p.add(
-      "api", "normal|distribute-v2", "normal",
+      "api", "normal|distribute-v2|low-latency", "normal",
       "API family; distribute-v2 times dispatch_v2/combine_v2 instead (see 'epcomm bench --api distribute-v2 "
-      "--help')");
+      "--help'), low-latency the decode calls (see 'epcomm bench --api low-latency --help')");
   add_run_flags(p, {2, 4096, 7168, 256, 8, 20, "", true});
   p.add("warmup", "N", "3", "untimed iterations before the timed ones");
   p.add("expert-alignment", "A", "1",

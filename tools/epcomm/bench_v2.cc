@@ -81,19 +81,7 @@ size_t scale_bytes_of(int mode, int64_t H) {
 
 // Token t's experts on rank r: topk distinct MoE experts, uniform, from the seed.
 std::vector<int32_t> routing_of(const V2BenchOptions& o, int r) {
-  RandomStream rs(o.seed, StreamKind::routing, static_cast<uint64_t>(r));
-  std::vector<int32_t> ids(static_cast<size_t>(o.tokens * o.topk));
-  std::vector<int32_t> pool(o.experts);
-  uint64_t n = 0;
-  for (int64_t t = 0; t < o.tokens; ++t) {
-    for (int e = 0; e < o.experts; ++e) pool[e] = e;
-    for (int k = 0; k < o.topk; ++k) {
-      const int j = k + static_cast<int>(rs.bits(n++) % static_cast<uint64_t>(o.experts - k));
-      std::swap(pool[k], pool[j]);
-      ids[t * o.topk + k] = pool[k];
-    }
-  }
-  return ids;
+  return uniform_routing(o.seed, r, o.tokens, o.topk, o.experts);
 }
 
 // Row i of expand_x dequantized to fp32 (docs/quant.md).

@@ -2,6 +2,8 @@
 // Conversions round to nearest even through epcomm/quant_element.h; quantized rows go through quant/row.h.
 #include "numerics.h"
 
+#include <utility>
+
 #include <cstring>
 #include <vector>
 
@@ -89,6 +91,22 @@ double unit_roundoff(DType dtype) {
   if (dtype == DType::bf16) return 1.0 / 256;
   if (dtype == DType::f16) return 1.0 / 2048;
   return 1.0 / 16777216;
+}
+
+std::vector<int32_t> uniform_routing(uint64_t seed, int r, int64_t tokens, int topk, int experts) {
+  RandomStream rs(seed, StreamKind::routing, static_cast<uint64_t>(r));
+  std::vector<int32_t> ids(static_cast<size_t>(tokens * topk));
+  std::vector<int32_t> pool(static_cast<size_t>(experts));
+  uint64_t n = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int e = 0; e < experts; ++e) pool[e] = e;
+    for (int k = 0; k < topk; ++k) {  // a partial Fisher-Yates shuffle: the first topk of a permutation
+      const int j = k + static_cast<int>(rs.bits(n++) % static_cast<uint64_t>(experts - k));
+      std::swap(pool[k], pool[j]);
+      ids[t * topk + k] = pool[k];
+    }
+  }
+  return ids;
 }
 
 void make_token(uint64_t seed, int s, int64_t t, int64_t H, DType dtype, void* row) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "epcomm/buffer.h"
 #include "epcomm/tensor.h"
@@ -42,6 +43,10 @@ void store_row(DType dtype, const float* in, int64_t n, void* row);
 float round_to(DType dtype, float v);
 // Unit roundoff of the dtype: 2^-8 (bf16), 2^-11 (f16), 2^-24 (f32).
 double unit_roundoff(DType dtype);
+
+// Rank r's routing: `topk` distinct experts of `experts` per token, uniform, from stream (routing, r) of
+// `seed`; [tokens * topk], token-major.
+std::vector<int32_t> uniform_routing(uint64_t seed, int r, int64_t tokens, int topk, int experts);
 
 // Token t of rank s: H random values rounded to `dtype`, written to `row` (H * dtype_size bytes).
 void make_token(uint64_t seed, int s, int64_t t, int64_t H, DType dtype, void* row);

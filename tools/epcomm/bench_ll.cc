@@ -1,0 +1,375 @@
+// tools/epcomm/bench_ll.cc — `epcomm bench --api low-latency`: times low_latency_dispatch,
+// low_latency_combine and their round trip (docs/low-latency.md, DeepEP's layout) over local ranks in the
+// decode shape, beside a memcpy of the same bytes, and prints one JSON object per operation and rank count
+// (rank 0, stdout).
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_measure.h"
+#include "epcomm/buffer.h"
+#include "flags.h"
+#include "numerics.h"
+#include "rank_tools.h"
+#include "report.h"
+#include "run_options.h"
+#include "subcommands.h"
+
+namespace epcomm::cli {
+namespace {
+
+const char* kEpilog =
+    "Each rank holds --tokens tokens (= num_max_dispatch_tokens_per_rank) of random bf16 values routed to\n"
+    "--topk distinct experts drawn uniformly (weights uniform in [0.05, 1)). For each rank count it runs\n"
+    "--warmup untimed and --iters timed iterations of low_latency_dispatch, then of low_latency_combine "
+    "(the\n"
+    "expert outputs are the dispatched rows, in the zero-copy combine buffer with --zero-copy), then of the\n"
+    "round trip (dispatch then combine, no barrier between). A bootstrap barrier precedes every timed call;\n"
+    "an iteration's time runs from the last rank's call to the last rank's return. first_iter_ratio is the\n"
+    "first timed iteration over the median (no warm-up by default: the first call is part of the target).\n"
+    "The first iteration is checked outside the timings: every valid row of every local expert equals its\n"
+    "source token's row (bf16; the counts for fp8) and combine returns x * sum(w) within calc_diff < 1e-5\n"
+    "(bf16) or 3e-3 (fp8).\n\n"
+    "Bytes (the decode target's formula): pairs received by all ranks x row bytes (codes + scales; combine:\n"
+    "H x 2), gbps = bytes / time_us_median / 1e3; memcpy_gbps: every rank memcpy's its share of those bytes\n"
+    "at once (the normal-mode bench's measurement); ratio_to_memcpy = gbps / memcpy_gbps.\n\n"
+    "Output: one JSON object per line, fields api, op, flavor, format, hook, zero_copy, ranks, tokens, "
+    "hidden,\n"
+    "topk, experts, iters, warmup, pairs, row_bytes, bytes, time_us_median, time_us_min, time_us_p99,\n"
+    "time_us_max, first_iter_ratio, p99_ratio, gbps, memcpy_gbps, ratio_to_memcpy, verified.\n\n"
+    "Exit status: 0 when every check passed, 1 when one failed or a runtime error, 2 a usage error.\n";
+
+enum class LlFormat { bf16, fp8, fp8_pow2, ue8m0 };
+
+struct LlBenchOptions {
+  std::vector<int> ranks{2};
+  int64_t tokens = 128, hidden = 7168;
+  int topk = 8, experts = 256, iters = 50, warmup = 0;
+  LlFormat format = LlFormat::bf16;
+  bool zero_copy = false;
+  uint64_t seed = 1;
+  Launcher launcher = Launcher::fork;
+  std::optional<double> timeout_s;
+  bool quiet = false;
+};
+
+const char* format_name(LlFormat f) {
+  switch (f) {
+    case LlFormat::fp8:
+      return "fp8";
+    case LlFormat::fp8_pow2:
+      return "fp8_pow2";
+    case LlFormat::ue8m0:
+      return "ue8m0";
+    default:
+      return "bf16";
+  }
+}
+
+// What one rank sends and what the calls take, built once.
+struct LlInputs {
+  std::vector<std::byte> x;  // [T, H] bf16
+  std::vector<int64_t> ids;  // [T, K]
+  std::vector<float> w;      // [T, K]
+  LowLatencyDispatchArgs dispatch;
+};
+
+void make_inputs(const LlBenchOptions& o, int r, LlInputs& in) {
+  const int64_t T = o.tokens, H = o.hidden;
+  in.x.resize(static_cast<size_t>(T * H * 2));
+  for (int64_t t = 0; t < T; ++t) make_token(o.seed, r, t, H, DType::bf16, in.x.data() + t * H * 2);
+  const std::vector<int32_t> ids = uniform_routing(o.seed, r, T, o.topk, o.experts);
+  in.ids.assign(ids.begin(), ids.end());
+  RandomStream ws(o.seed, StreamKind::weights, static_cast<uint64_t>(r));
+  in.w.resize(in.ids.size());
+  for (size_t i = 0; i < in.w.size(); ++i) in.w[i] = 0.525f + 0.475f * ws.uniform(i);
+  LowLatencyDispatchArgs& a = in.dispatch;
+  a.x = Tensor::wrap(in.x.data(), DType::bf16, {T, H});
+  a.topk_idx = Tensor::wrap(in.ids.data(), DType::i64, {T, o.topk});
+  a.num_max_dispatch_tokens_per_rank = T;
+  a.num_experts = o.experts;
+  a.use_fp8 = o.format != LlFormat::bf16;
+  a.round_scale = o.format == LlFormat::fp8_pow2 || o.format == LlFormat::ue8m0;
+  a.use_ue8m0 = o.format == LlFormat::ue8m0;
+}
+
+// The combine's x: the dispatched rows as bf16 (fp8 rows: zeros, the check then only counts rows), in
+// `plain` (allocated once) or, with --zero-copy, in the handle's combine buffer.
+Tensor expert_outputs(const LlBenchOptions& o, Buffer& buffer, const LowLatencyDispatchResult& d,
+                      const Tensor& plain) {
+  Tensor y = o.zero_copy ? buffer.low_latency_combine_buffer(*d.handle) : plain;
+  const int64_t RT = d.recv_x.size(1), row = o.hidden * 2;
+  for (int64_t j = 0; j < d.recv_x.size(0); ++j) {
+    const int64_t n = d.recv_count.data_as<int32_t>()[j];
+    std::byte* dst = y.data_as<std::byte>() + j * RT * row;
+    if (o.format == LlFormat::bf16)
+      std::memcpy(dst, d.recv_x.data_as<std::byte>() + j * RT * row, static_cast<size_t>(n * row));
+    else
+      std::memset(dst, 0, static_cast<size_t>(n * row));
+  }
+  return y;
+}
+
+// Rows: every valid row of every local expert is its source token's row (bf16), and the counts add up to
+// the pairs routed here. Combine: x * sum(w) for bf16 (calc_diff < 1e-5), zeros for fp8.
+bool verify(const LlBenchOptions& o, int r, int W, const LowLatencyDispatchResult& d, const Tensor& out,
+            const LlInputs& in) {
+  const int L = o.experts / W;
+  const int64_t RT = d.recv_x.size(1), H = o.hidden;
+  int64_t expected = 0, got = 0;
+  bool ok = true;
+  std::vector<LlInputs> all(static_cast<size_t>(W));
+  for (int s = 0; s < W; ++s) {
+    make_inputs(o, s, all[s]);
+    for (int64_t id : all[s].ids) expected += id / L == r;
+  }
+  for (int j = 0; j < L; ++j) {
+    const int64_t n = d.recv_count.data_as<int32_t>()[j];
+    got += n;
+    for (int64_t i = 0; i < n && o.format == LlFormat::bf16; ++i) {
+      int s = 0;  // the source rank from layout_range: rows of rank s start at its begin
+      while (s + 1 < W && (d.layout_range.data_as<int64_t>()[j * W + s + 1] >> 32) <= i) ++s;
+      const int64_t t = d.src_info.data_as<int32_t>()[j * RT + i];
+      ok = ok && std::memcmp(d.recv_x.data_as<std::byte>() + (j * RT + i) * H * 2,
+                             all[s].x.data() + t * H * 2, static_cast<size_t>(H * 2)) == 0;
+    }
+  }
+  double num = 0, den = 0;
+  for (int64_t t = 0; t < o.tokens; ++t) {
+    double wsum = 0;
+    for (int k = 0; k < o.topk; ++k) wsum += in.w[t * o.topk + k];
+    if (o.format != LlFormat::bf16) wsum = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      const double a = load_elem(DType::bf16, out.data(), t * H + h) + 1;
+      const double b = load_elem(DType::bf16, in.x.data(), t * H + h) * wsum + 1;
+      num += a * b;
+      den += a * a + b * b;
+    }
+  }
+  const double diff = den > 0 ? 1 - 2 * num / den : 0;
+  if (!ok || got != expected || !(diff < 1e-5)) {
+    std::fprintf(
+        stderr,
+        "epcomm bench: low-latency verification failed on rank %d: rows %s, %lld pairs (expected %lld), "
+        "combine calc_diff %.3g\n",
+        r, ok ? "ok" : "differ", static_cast<long long>(got), static_cast<long long>(expected), diff);
+    return false;
+  }
+  return true;
+}
+
+struct Samples {
+  std::vector<double> starts, times;  // [3 ops x iters]: dispatch, combine, round trip
+  int64_t pairs = 0;                  // pairs this rank received
+  bool ok = true;
+};
+
+LowLatencyCombineArgs combine_args(const LlInputs& in, const LlBenchOptions& o,
+                                   const LowLatencyDispatchResult& d, const Tensor& y) {
+  LowLatencyCombineArgs c;
+  c.x = y;
+  c.handle = d.handle;
+  c.topk_idx = in.dispatch.topk_idx;
+  c.topk_weights = Tensor::wrap(const_cast<float*>(in.w.data()), DType::f32, {o.tokens, o.topk});
+  return c;
+}
+
+void measure(const LlBenchOptions& o, int r, int W, Buffer& buffer, Bootstrap& bs, const LlInputs& in,
+             Samples& s) {
+  s.starts.assign(static_cast<size_t>(3 * o.iters), 0.0);
+  s.times = s.starts;
+  const int64_t L = o.experts / W, RT = W * o.tokens;
+  Tensor plain = o.zero_copy ? Tensor() : empty(DType::bf16, {L, RT, o.hidden});
+  for (int it = -o.warmup; it < o.iters; ++it) {
+    bs.barrier();
+    double t0 = now_s();
+    LowLatencyDispatchResult d = buffer.low_latency_dispatch(in.dispatch);
+    const double td = now_s() - t0;
+    const Tensor y = expert_outputs(o, buffer, d, plain);
+    bs.barrier();
+    const double t1 = now_s();
+    const Tensor out = buffer.low_latency_combine(combine_args(in, o, d, y)).combined_x;
+    const double tc = now_s() - t1;
+    if (it == -o.warmup) {
+      s.ok = verify(o, r, W, d, out, in);
+      for (int j = 0; j < d.recv_count.size(0); ++j) s.pairs += d.recv_count.data_as<int32_t>()[j];
+    }
+    bs.barrier();
+    const double t2 = now_s();
+    LowLatencyDispatchResult d2 = buffer.low_latency_dispatch(in.dispatch);
+    buffer.low_latency_combine(
+        combine_args(in, o, d2, o.zero_copy ? buffer.low_latency_combine_buffer(*d2.handle) : y));
+    const double trt = now_s() - t2;
+    if (it < 0) continue;
+    const double starts[3] = {t0, t1, t2}, times[3] = {td, tc, trt};
+    for (int op = 0; op < 3; ++op) {
+      s.starts[static_cast<size_t>(op * o.iters + it)] = starts[op];
+      s.times[static_cast<size_t>(op * o.iters + it)] = times[op];
+    }
+  }
+}
+
+void report(const LlBenchOptions& o, int W, const Samples& mine, const std::vector<double>& starts,
+            const std::vector<double>& times, int64_t pairs, bool verified, const double mgbps[2]) {
+  static const char* kOps[3] = {"low_latency_dispatch", "low_latency_combine", "round_trip"};
+  const int64_t G = o.hidden / 128;
+  const int64_t drow = o.format == LlFormat::bf16    ? o.hidden * 2
+                       : o.format == LlFormat::ue8m0 ? o.hidden + G
+                                                     : o.hidden + 4 * G;
+  for (int op = 0; op < 3; ++op) {
+    const Timing tm = collective_timing(op_slice(starts, W, 3, o.iters, op),
+                                        op_slice(times, W, 3, o.iters, op), W, o.iters, true);
+    const int64_t row = op == 0 ? drow : op == 1 ? o.hidden * 2 : drow + o.hidden * 2;
+    const int64_t bytes = pairs * row;
+    const double gbps = tm.median > 0 ? static_cast<double>(bytes) / tm.median / 1e3 : 0.0;
+    const double m = op == 2 ? 0.0 : mgbps[op];
+    double first = 0;  // the first timed iteration's span over ranks
+    for (int s = 0; s < W; ++s)
+      first = std::max(first, times[static_cast<size_t>(s) * 3 * o.iters + op * o.iters]);
+    JsonLine j;
+    j.add("api", "low-latency")
+        .add("op", kOps[op])
+        .add("flavor", "deepep")
+        .add("format", format_name(o.format));
+    j.add("hook", false)
+        .add("zero_copy", o.zero_copy)
+        .add("ranks", W)
+        .add("tokens", o.tokens)
+        .add("hidden", o.hidden);
+    j.add("topk", o.topk).add("experts", o.experts).add("iters", o.iters).add("warmup", o.warmup);
+    j.add("pairs", pairs).add("row_bytes", row).add("bytes", bytes).add("time_us_median", tm.median, 1);
+    j.add("time_us_min", tm.min, 1).add("time_us_p99", tm.p99, 1).add("time_us_max", tm.max, 1);
+    j.add("first_iter_ratio", tm.median > 0 ? first * 1e6 / tm.median : 0.0, 2);
+    j.add("p99_ratio", tm.median > 0 ? tm.p99 / tm.median : 0.0, 2).add("gbps", gbps, 3);
+    j.add("memcpy_gbps", m, 3).add("ratio_to_memcpy", m > 0 ? gbps / m : 0.0, 4).add("verified", verified);
+    std::printf("%s\n", j.str().c_str());
+  }
+  (void)mine;
+  std::fflush(stdout);
+}
+
+int bench_rank_ll(const LlBenchOptions& o, int W, std::unique_ptr<Bootstrap> bootstrap) {
+  auto group = Group::create(std::move(bootstrap));
+  const int r = group->rank();
+  Bootstrap& bs = group->bootstrap();
+  Progress progress("epcomm bench", r == 0 && !o.quiet);
+  BufferOptions bo;
+  bo.low_latency_mode = true;
+  bo.timeout_s = o.timeout_s;
+  bo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, W, o.experts);
+  Buffer buffer(group, bo);
+  LlInputs in;
+  make_inputs(o, r, in);
+  progress.phase(std::to_string(o.warmup) + " warmup + " + std::to_string(o.iters) + " timed iterations");
+  Samples s;
+  measure(o, r, W, buffer, bs, in, s);
+  const auto starts = all_gather_values(bs, s.starts);
+  const auto times = all_gather_values(bs, s.times);
+  const auto pairs = all_gather_values(bs, std::vector<int64_t>{s.pairs, s.ok ? 1 : 0});
+  int64_t total = 0;
+  bool verified = true;
+  for (int q = 0; q < W; ++q) {
+    total += pairs[2 * q];
+    verified = verified && pairs[2 * q + 1] == 1;
+  }
+  progress.phase("measuring the memcpy rate");
+  const int64_t G = o.hidden / 128;
+  const int64_t drow =
+      o.format == LlFormat::bf16 ? o.hidden * 2 : o.hidden + (o.format == LlFormat::ue8m0 ? G : 4 * G);
+  const double mgbps[2] = {concurrent_memcpy_gbps(bs, s.pairs * drow, 1),
+                           concurrent_memcpy_gbps(bs, s.pairs * o.hidden * 2, 1)};
+  if (r == 0) report(o, W, s, starts, times, total, verified, mgbps);
+  progress.phase("done");
+  return verified ? kExitOk : kExitFail;
+}
+
+std::vector<int> parse_rank_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1 || v > 1024)
+      throw UsageError(bad_value("ranks", "a comma-separated list of rank counts in [1, 1024]", s));
+    out.push_back(static_cast<int>(v));
+  }
+  if (out.empty()) throw UsageError(bad_value("ranks", "a comma-separated list of rank counts", s));
+  return out;
+}
+
+LlBenchOptions parse_ll_options(FlagParser& p) {
+  LlBenchOptions o;
+  o.ranks = parse_rank_list(p.str("ranks"));
+  o.tokens = p.integer("tokens", 1, 1 << 16);
+  o.hidden = p.integer("hidden", 128, 1 << 16);
+  o.topk = static_cast<int>(p.integer("topk", 1, 32));
+  o.experts = static_cast<int>(p.integer("experts", 1, 4096));
+  o.iters = static_cast<int>(p.integer("iters", 1, 1 << 20));
+  o.warmup = static_cast<int>(p.integer("warmup", 0, 1 << 20));
+  const std::string f = p.choice("format", {"bf16", "fp8", "fp8_pow2", "ue8m0"});
+  o.format = f == "fp8"        ? LlFormat::fp8
+             : f == "fp8_pow2" ? LlFormat::fp8_pow2
+             : f == "ue8m0"    ? LlFormat::ue8m0
+                               : LlFormat::bf16;
+  o.zero_copy = p.on("zero-copy");
+  o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
+  o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
+  if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
+  o.quiet = p.on("quiet");
+  if (o.hidden % (o.format == LlFormat::ue8m0 ? 512 : 128) != 0)
+    throw UsageError(bad_value("hidden",
+                               o.format == LlFormat::ue8m0 ? "a multiple of 512" : "a multiple of 128",
+                               std::to_string(o.hidden)));
+  for (int W : o.ranks)
+    if (o.experts % W != 0)
+      throw UsageError(bad_value("experts", "a multiple of every rank count", std::to_string(o.experts)));
+  if (o.topk > o.experts) throw UsageError(bad_value("topk", "<= experts", std::to_string(o.topk)));
+  return o;
+}
+
+}  // namespace
+
+int run_bench_ll(int argc, char** argv) {
+  FlagParser p(
+      "epcomm bench --api low-latency", "epcomm bench --api low-latency [flags]",
+      "Times low_latency_dispatch, low_latency_combine and their round trip (docs/low-latency.md) in the\n"
+      "decode shape over local ranks, beside a memcpy of the same bytes (JSON lines).");
+  p.add("api", "NAME", "normal", "low-latency selects this benchmark");
+  p.add("ranks", "N[,N...]", "2", "local rank counts, one run each");
+  p.add("tokens", "T", "128", "tokens per rank = num_max_dispatch_tokens_per_rank");
+  p.add("hidden", "H", "7168", "hidden size (a multiple of 128; of 512 with --format ue8m0)");
+  p.add("topk", "K", "8", "distinct experts per token");
+  p.add("experts", "E", "256", "experts (a multiple of every rank count)");
+  p.add("format", "bf16|fp8|fp8_pow2|ue8m0", "bf16", "dispatch format (use_fp8, round_scale, use_ue8m0)");
+  p.add_switch("zero-copy", "expert outputs in get_next_low_latency_combine_buffer (read in place)");
+  p.add("iters", "N", "50", "timed iterations");
+  p.add("warmup", "N", "0", "untimed iterations first (0: the first call is measured)");
+  p.add("seed", "S", "1", "random seed");
+  p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
+  p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
+  p.add_switch("quiet", "no progress lines on stderr");
+  p.set_epilog(kEpilog);
+  if (!p.parse(argc, argv)) {
+    std::fputs(p.help().c_str(), stdout);
+    return kExitOk;
+  }
+  const LlBenchOptions o = parse_ll_options(p);
+  int rc = kExitOk;
+  for (int W : o.ranks) {
+    RunOptions ro;
+    ro.ranks = W;
+    ro.launcher = o.launcher;
+    ro.timeout_s = o.timeout_s;
+    ro.quiet = o.quiet;
+    rc = std::max(rc, run_ranks("epcomm bench", ro, [&](std::unique_ptr<Bootstrap> bs) {
+                    return bench_rank_ll(o, W, std::move(bs));
+                  }));
+  }
+  return rc;
+}
+
+}  // namespace epcomm::cli
