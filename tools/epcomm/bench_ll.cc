@@ -35,7 +35,8 @@ const char* kEpilog =
     "(bf16) or 3e-3 (fp8).\n\n"
     "Bytes (the decode target's formula): pairs received by all ranks x row bytes (codes + scales; combine:\n"
     "H x 2), gbps = bytes / time_us_median / 1e3; memcpy_gbps: every rank memcpy's its share of those bytes\n"
-    "at once (the normal-mode bench's measurement); ratio_to_memcpy = gbps / memcpy_gbps.\n\n"
+    "at once (the normal-mode bench's measurement; round trip: the dispatch bytes' memcpy then the\n"
+    "combine bytes'); ratio_to_memcpy = gbps / memcpy_gbps.\n\n"
     "Output: one JSON object per line, fields api, op, flavor, format, hook, zero_copy, ranks, tokens, "
     "hidden,\n"
     "topk, experts, iters, warmup, pairs, row_bytes, bytes, time_us_median, time_us_min, time_us_p99,\n"
@@ -225,7 +226,12 @@ void report(const LlBenchOptions& o, int W, const Samples& mine, const std::vect
     const int64_t row = op == 0 ? drow : op == 1 ? o.hidden * 2 : drow + o.hidden * 2;
     const int64_t bytes = pairs * row;
     const double gbps = tm.median > 0 ? static_cast<double>(bytes) / tm.median / 1e3 : 0.0;
-    const double m = op == 2 ? 0.0 : mgbps[op];
+    // round trip: a memcpy of the dispatch bytes followed by one of the combine bytes, at the rates measured
+    const double m =
+        op < 2 ? mgbps[op]
+        : mgbps[0] > 0 && mgbps[1] > 0
+            ? static_cast<double>(bytes) / (pairs * drow / mgbps[0] + pairs * o.hidden * 2 / mgbps[1])
+            : 0.0;
     double first = 0;  // the first timed iteration's span over ranks
     for (int s = 0; s < W; ++s)
       first = std::max(first, times[static_cast<size_t>(s) * 3 * o.iters + op * o.iters]);
