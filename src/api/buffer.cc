@@ -655,6 +655,26 @@ void Buffer::fail_call(const std::string& op, ErrorCode code, const std::string&
 
 // ---- combine -------------------------------------------------------------------------------------------
 
+std::shared_ptr<detail::EventState> launch_combine(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
+                                                   std::optional<EventOverlap> previous,
+                                                   const std::optional<Error>& verr, bool async_finish,
+                                                   std::shared_ptr<engine::CombineInput> in,
+                                                   std::shared_ptr<engine::CombineOutput> out) {
+  auto st = launch(b, s, kind, std::move(previous), verr ? std::string(verr->what()) : std::string(),
+                   !async_finish || verr.has_value(),
+                   [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+                     engine::run_combine(ctx, *in, *out, on_shapes);
+                     return static_cast<int64_t>(out->combined_x.nbytes());
+                   });
+  if (verr) {
+    st->wait();
+    throw *verr;
+  }
+  if (!async_finish)
+    if (auto e = st->wait()) std::rethrow_exception(e);
+  return st;
+}
+
 CombineResult Buffer::combine(const CombineArgs& a) {
   Impl& b = *impl_;
   b.check_usable("combine");
@@ -676,18 +696,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     if (hd.order == ReceiveOrder::expert_major || in->has_recv_weights)
       out->combined_topk_weights = b.allocator->allocate(DType::f32, {hd.num_tokens, hd.num_topk});
   }
-  auto st = launch(b, s, engine::OpKind::combine, a.previous_event,
-                   verr ? std::string(verr->what()) : std::string(), !a.async_finish || verr.has_value(),
-                   [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
-                     engine::run_combine(ctx, *in, *out, on_shapes);
-                     return static_cast<int64_t>(out->combined_x.nbytes());
-                   });
-  if (verr) {
-    st->wait();
-    throw *verr;
-  }
-  if (!a.async_finish)
-    if (auto e = st->wait()) std::rethrow_exception(e);
+  auto st = launch_combine(b, s, engine::OpKind::combine, a.previous_event, verr, a.async_finish, in, out);
   CombineResult r;
   r.combined_x = out->combined_x;
   r.combined_topk_weights = out->combined_topk_weights;

@@ -83,6 +83,14 @@ std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::
                                            std::optional<EventOverlap> previous, std::string failed_message,
                                            bool sync, OpBody body);
 
+// launch() of a combine (normal or low-latency): a validation error `verr` fails the call on every rank and
+// is thrown here; a synchronous call (!async_finish) waits and rethrows the call's error.
+std::shared_ptr<detail::EventState> launch_combine(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
+                                                   std::optional<EventOverlap> previous,
+                                                   const std::optional<Error>& verr, bool async_finish,
+                                                   std::shared_ptr<engine::CombineInput> in,
+                                                   std::shared_ptr<engine::CombineOutput> out);
+
 // Fills the engine input of a fresh or cached dispatch from the user's arguments; throws InvalidUsage
 // naming the argument, the expected and the actual value (no rank prefix: the caller adds it).
 void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,

@@ -318,18 +318,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     out->combined_x =
         a.out ? *a.out : b.allocator->allocate(DType::bf16, {in->handle->num_tokens, in->hidden});
   }
-  auto st = launch(b, s, engine::OpKind::low_latency_combine, std::nullopt,
-                   verr ? std::string(verr->what()) : std::string(), !a.async_finish || verr.has_value(),
-                   [in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
-                     engine::run_combine(ctx, *in, *out, on_shapes);
-                     return static_cast<int64_t>(out->combined_x.nbytes());
-                   });
-  if (verr) {
-    st->wait();
-    throw *verr;
-  }
-  if (!a.async_finish)
-    if (auto e = st->wait()) std::rethrow_exception(e);
+  auto st =
+      launch_combine(b, s, engine::OpKind::low_latency_combine, std::nullopt, verr, a.async_finish, in, out);
   LowLatencyCombineResult r;
   r.combined_x = out->combined_x;
   r.event = EventOverlap(st);

@@ -292,24 +292,9 @@ int bench_rank_ll(const LlBenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   return verified ? kExitOk : kExitFail;
 }
 
-std::vector<int> parse_rank_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    char* end = nullptr;
-    const long v = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 1 || v > 1024)
-      throw UsageError(bad_value("ranks", "a comma-separated list of rank counts in [1, 1024]", s));
-    out.push_back(static_cast<int>(v));
-  }
-  if (out.empty()) throw UsageError(bad_value("ranks", "a comma-separated list of rank counts", s));
-  return out;
-}
-
 LlBenchOptions parse_ll_options(FlagParser& p) {
   LlBenchOptions o;
-  o.ranks = parse_rank_list(p.str("ranks"));
+  o.ranks = parse_rank_counts(p.str("ranks"));
   o.tokens = p.integer("tokens", 1, 1 << 16);
   o.hidden = p.integer("hidden", 128, 1 << 16);
   o.topk = static_cast<int>(p.integer("topk", 1, 32));

@@ -307,21 +307,6 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   return verified ? kExitOk : kExitFail;
 }
 
-std::vector<int> parse_ranks(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    char* end = nullptr;
-    const long v = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 1 || v > 1024)
-      throw UsageError(bad_value("ranks", "a comma-separated list of rank counts in [1, 1024]", s));
-    out.push_back(static_cast<int>(v));
-  }
-  if (out.empty()) throw UsageError(bad_value("ranks", "a comma-separated list of rank counts", s));
-  return out;
-}
-
 }  // namespace
 
 int run_bench_v2(int argc, char** argv) {
@@ -358,7 +343,7 @@ int run_bench_v2(int argc, char** argv) {
     return kExitOk;
   }
   V2BenchOptions o;
-  o.ranks = parse_ranks(p.str("ranks"));
+  o.ranks = parse_rank_counts(p.str("ranks"));
   o.tokens = p.integer("tokens", 0, 1 << 20);
   o.hidden = p.integer("hidden", 1, 1 << 20);
   o.topk = static_cast<int>(p.integer("topk", 1, 1024));

@@ -185,4 +185,19 @@ std::string FlagParser::help() const {
   return os.str();
 }
 
+std::vector<int> parse_rank_counts(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1 || v > 1024)
+      throw UsageError(bad_value("ranks", "a comma-separated list of rank counts in [1, 1024]", s));
+    out.push_back(static_cast<int>(v));
+  }
+  if (out.empty()) throw UsageError(bad_value("ranks", "a comma-separated list of rank counts", s));
+  return out;
+}
+
 }  // namespace epcomm::cli

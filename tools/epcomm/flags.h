@@ -81,4 +81,7 @@ class FlagParser {
 // Formats "--name: expected <expected>, got '<actual>'".
 std::string bad_value(const std::string& name, const std::string& expected, const std::string& actual);
 
+// The benches' --ranks: a comma-separated list of rank counts in [1, 1024]; UsageError naming --ranks.
+std::vector<int> parse_rank_counts(const std::string& s);
+
 }  // namespace epcomm::cli
