@@ -172,13 +172,13 @@ def _wrapped(pre, note, fn):
 
 
 def _launch(st, run, async_finish, return_recv_hook):
-    """(event, hook) of a prepared call: queued on the worker with either flag, else run here in order."""
+    """(event, hook) of a prepared call: queued on the worker with return_recv_hook, else run here in order.
+    async_finish completes the call before returning, as the Ascend port does (its kernels run on the
+    current stream and its event is empty, so its callers read the results without waiting): the event
+    returned is complete."""
     if return_recv_hook:
         fut = st.submit(run)
         return EventOverlap(), RecvHook(fut.result)
-    if async_finish:
-        fut = st.submit(run)
-        return EventOverlap(fut), RecvHook()
     st.drain()
     run()
     return EventOverlap(), RecvHook()
@@ -436,11 +436,13 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
                 raise InvalidUsageError(f"{pre}argument: x: expected a [{rows}, {H}] torch.bfloat16 tensor (the "
                                         f"dispatch's rows), got {got}")
             src = x.contiguous()
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or list(out.shape) != [T, H]:
+        if out is not None:  # at least T rows (the port's callers pass padded buffers): the first T are written
+            if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.dim() != 2
+                    or int(out.shape[0]) < T or int(out.shape[1]) != H):
                 got = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-                raise InvalidUsageError(f"{pre}argument: out: expected a [{T}, {H}] torch.bfloat16 tensor, got {got}")
-            result = out
+                raise InvalidUsageError(f"{pre}argument: out: expected a [>= {T}, {H}] torch.bfloat16 tensor, "
+                                        f"got {got}")
+            result = out if int(out.shape[0]) == T else out[:T]
         else:
             result = torch.empty(T, H, dtype=torch.bfloat16)
         target = result if result.is_contiguous() else torch.empty(T, H, dtype=torch.bfloat16)
