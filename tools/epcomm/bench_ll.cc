@@ -213,7 +213,7 @@ void measure(const LlBenchOptions& o, int r, int W, Buffer& buffer, Bootstrap& b
   }
 }
 
-void report(const LlBenchOptions& o, int W, const Samples& mine, const std::vector<double>& starts,
+void report(const LlBenchOptions& o, int W, const std::vector<double>& starts,
             const std::vector<double>& times, int64_t pairs, bool verified, const double mgbps[2]) {
   static const char* kOps[3] = {"low_latency_dispatch", "low_latency_combine", "round_trip"};
   const int64_t G = o.hidden / 128;
@@ -253,7 +253,6 @@ void report(const LlBenchOptions& o, int W, const Samples& mine, const std::vect
     j.add("memcpy_gbps", m, 3).add("ratio_to_memcpy", m > 0 ? gbps / m : 0.0, 4).add("verified", verified);
     std::printf("%s\n", j.str().c_str());
   }
-  (void)mine;
   std::fflush(stdout);
 }
 
@@ -287,7 +286,7 @@ int bench_rank_ll(const LlBenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
       o.format == LlFormat::bf16 ? o.hidden * 2 : o.hidden + (o.format == LlFormat::ue8m0 ? G : 4 * G);
   const double mgbps[2] = {concurrent_memcpy_gbps(bs, s.pairs * drow, 1),
                            concurrent_memcpy_gbps(bs, s.pairs * o.hidden * 2, 1)};
-  if (r == 0) report(o, W, s, starts, times, total, verified, mgbps);
+  if (r == 0) report(o, W, starts, times, total, verified, mgbps);
   progress.phase("done");
   return verified ? kExitOk : kExitFail;
 }
