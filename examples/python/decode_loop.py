@@ -109,6 +109,9 @@ def main():
     p.add_argument("--zero-copy", action="store_true",
                    help="experts write into get_next_low_latency_combine_buffer (read in place by the peers)")
     args = p.parse_args()
+    ranks = int(os.environ.get("WORLD_SIZE", args.ranks))
+    if args.experts % ranks:
+        p.error(f"--experts {args.experts} must be a multiple of the {ranks} ranks")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         dist.init_process_group("gloo")
         ok = run(dist.get_rank(), dist.get_world_size(), args)
