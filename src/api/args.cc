@@ -252,11 +252,11 @@ void select_format(const DispatchArgs& a, engine::DispatchInput& in) {
 // x in this rank's shared dispatch-input area, plain (no scales, no quantization): the receivers read its
 // rows in place (one node only).
 void detect_shared_dispatch_input(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in) {
-  if (b.dispatch_input_bytes == 0 || b.inter || !in.format.plain || a.x.scales || a.x.data.nbytes() == 0)
+  if (b.dispatch_input_bytes() == 0 || b.inter || !in.format.plain || a.x.scales || a.x.data.nbytes() == 0)
     return;
   const uint8_t* area = b.dispatch_input_area();
-  if (in.x >= area && in.x + a.x.data.nbytes() <= area + b.dispatch_input_bytes)
-    in.shared_offset = static_cast<int64_t>(b.dispatch_input_offset) + (in.x - area);
+  if (in.x >= area && in.x + a.x.data.nbytes() <= area + b.dispatch_input_bytes())
+    in.shared_offset = static_cast<int64_t>(b.segment.dispatch_input_offset) + (in.x - area);
 }
 
 }  // namespace
@@ -491,10 +491,10 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   in.keep.push_back(x);
   // x in this rank's shared combine-input area, or in its output arena (an output of this Buffer, e.g. the
   // dispatched recv_x itself): the origins read its rows in place (one node only).
-  if (b.input_bytes > 0 && !b.inter && x.nbytes() > 0) {
+  if (b.input_bytes() > 0 && !b.inter && x.nbytes() > 0) {
     const uint8_t* area = b.input_area();
-    if (in.x >= area && in.x + x.nbytes() <= area + b.input_bytes)
-      in.shared_offset = static_cast<int64_t>(b.input_offset) + (in.x - area);
+    if (in.x >= area && in.x + x.nbytes() <= area + b.input_bytes())
+      in.shared_offset = static_cast<int64_t>(b.segment.combine_input_offset) + (in.x - area);
   }
   if (in.shared_offset < 0) {
     in.shared_offset = arena_offset(b, x);

@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include "api/event_state.h"
-#include "api/internode_setup.h"
 #include "api/setup_log.h"
 #include "common/check.h"
 #include "common/env.h"
@@ -20,7 +19,6 @@ namespace epcomm {
 
 namespace {
 std::atomic<int> g_num_threads{env::num_threads_default()};
-constexpr int64_t kDefaultSegmentBytes = 64ll << 20;
 
 int64_t payload_bytes(const Payload& p) {
   return static_cast<int64_t>(p.data.nbytes() + (p.scales ? p.scales->nbytes() : 0));
@@ -59,19 +57,13 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   EPCOMM_CHECK(group != nullptr, "Buffer: group must not be null");
   b.group = group;
   b.options = options;
-  b.rank = group->rank();
-  b.num_ranks = group->size();
-  const std::string pre = detail::cat("epcomm[rank ", b.rank, "] Buffer: ");
+  const std::string pre = detail::cat("epcomm[rank ", group->rank(), "] Buffer: ");
   try {
     log::level();  // a bad EPCOMM_LOG fails here, not in a call
   } catch (const Error& e) {
     EPCOMM_THROW(InvalidUsage, pre, e.what());
   }
   EPCOMM_CHECK(!options.enable_shrink, pre, "argument: enable_shrink=True is not supported by epcomm");
-  EPCOMM_CHECK(options.num_nvl_bytes >= 0, pre, "argument: num_nvl_bytes: expected >= 0, got ",
-               options.num_nvl_bytes);
-  EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ",
-               options.num_rdma_bytes);
   EPCOMM_CHECK(options.num_combine_input_bytes >= 0, pre,
                "argument: num_combine_input_bytes: expected >= 0, got ", options.num_combine_input_bytes);
   EPCOMM_CHECK(options.num_dispatch_input_bytes >= 0, pre,
@@ -81,89 +73,25 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   EPCOMM_CHECK(options.num_output_arena_bytes >= -1, pre,
                "argument: num_output_arena_bytes: expected >= 0, or -1 for auto, got ",
                options.num_output_arena_bytes);
-  EPCOMM_CHECK(b.num_ranks <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
-               " ranks are supported, got ", b.num_ranks);
-  b.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
-  EPCOMM_CHECK(b.timeout_s > 0, pre, "argument: timeout_s: expected > 0, got ", b.timeout_s);
-  b.nvl_bytes = options.num_nvl_bytes ? options.num_nvl_bytes : kDefaultSegmentBytes;
   b.allocator = options.allocator ? options.allocator : default_allocator();
 
-  // Node partition (docs/normal-mode.md).
-  const int R = b.num_ranks, P = options.ranks_per_node ? options.ranks_per_node : env::ranks_per_node();
-  b.node_of_rank = detail::node_partition(*group, P, pre);
-  b.num_nodes = *std::max_element(b.node_of_rank.begin(), b.node_of_rank.end()) + 1;
-
-  // Sizes must agree on every rank: exchange them, then every rank raises the same error.
-  struct Sizes {
-    int64_t nvl, rdma;
-    int32_t nodes, rpn;
-    int64_t input, dispatch_input, low_latency;
-    char flavor[16];
-  } mine{options.num_nvl_bytes,
-         options.num_rdma_bytes,
-         b.num_nodes,
-         P,
-         options.num_combine_input_bytes,
-         options.num_dispatch_input_bytes,
-         options.low_latency_mode,
-         {}};
-  EPCOMM_CHECK(options.flavor.size() < sizeof mine.flavor, pre, "argument: flavor: expected at most ",
-               sizeof mine.flavor - 1, " characters, got '", options.flavor, "'");
-  std::memcpy(mine.flavor, options.flavor.data(), options.flavor.size());
-  std::vector<std::byte> bytes(sizeof(Sizes));
-  std::memcpy(bytes.data(), &mine, sizeof(Sizes));
-  auto all = group->bootstrap().all_gather(bytes);
-  auto per_rank = [&](auto field) {
-    std::string s;
-    bool differ = false;
-    for (int r = 0; r < R; ++r) {
-      Sizes x;
-      std::memcpy(&x, all.data() + r * sizeof(Sizes), sizeof(Sizes));
-      s += detail::cat(r ? ", " : "", "rank ", r, " = ", field(x));
-      differ |= field(x) != field(mine);
-    }
-    return std::make_pair(differ, s);
-  };
-  for (auto [name, field] : {std::pair<const char*, int64_t (*)(const Sizes&)>{
-                                 "num_nvl_bytes", [](const Sizes& s) { return s.nvl; }},
-                             {"num_rdma_bytes", [](const Sizes& s) { return s.rdma; }},
-                             {"ranks_per_node", [](const Sizes& s) { return int64_t{s.rpn}; }},
-                             {"num_combine_input_bytes", [](const Sizes& s) { return s.input; }},
-                             {"num_dispatch_input_bytes", [](const Sizes& s) { return s.dispatch_input; }},
-                             {"low_latency_mode", [](const Sizes& s) { return s.low_latency; }}}) {
-    auto [differ, s] = per_rank(field);
-    EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", name, ": ", s);
-  }
-  auto [flavors_differ, flavors] = per_rank([](const Sizes& s) { return std::string(s.flavor); });
-  EPCOMM_CHECK(!flavors_differ, pre, "mismatch: ranks disagree on flavor: ", flavors);
-  const int64_t minimum =
-      static_cast<int64_t>(engine::control_bytes(R)) + 4 * static_cast<int64_t>(engine::kAlign);
-  EPCOMM_CHECK(b.nvl_bytes >= minimum, pre, "capacity: num_nvl_bytes = ", b.nvl_bytes,
-               " is below the control part of the segment plus 256 bytes (", minimum, " bytes for ", R,
-               " ranks)");
-
-  // The shared input areas follow the segment's own bytes (and, across nodes, its lanes), page-aligned:
-  // the combine-input area, then the dispatch-input area.
-  b.input_bytes = options.num_combine_input_bytes;
-  b.dispatch_input_bytes = options.num_dispatch_input_bytes;
-  auto page = [](size_t n) { return (n + 4095) / 4096 * 4096; };
-  const size_t extra = b.dispatch_input_bytes ? page(static_cast<size_t>(b.input_bytes)) +
-                                                    static_cast<size_t>(b.dispatch_input_bytes)
-                                              : static_cast<size_t>(b.input_bytes);
-  if (b.num_nodes > 1) {
-    b.setup_internode(pre, extra);
-  } else {
-    b.input_offset = page(static_cast<size_t>(b.nvl_bytes));
-    // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers).
-    ArenaRequest arena{arena_bytes_for(options.num_output_arena_bytes),
-                       static_cast<size_t>(options.num_output_reserve_bytes)};
-    b.transport = make_shm_transport(group->bootstrap(),
-                                     extra ? b.input_offset + extra : static_cast<size_t>(b.nvl_bytes),
-                                     group->next_instance(), 0, arena);
-    if (auto a = b.transport->output_arena()) b.allocator = std::make_shared<ArenaAllocator>(a, b.allocator);
-  }
-  b.dispatch_input_offset = b.input_offset + page(static_cast<size_t>(b.input_bytes));
-  b.layout = engine::carve(static_cast<size_t>(b.nvl_bytes), R);
+  detail::CommRequest req;
+  req.pre = pre;
+  req.segment_bytes = options.num_nvl_bytes;
+  req.rdma_bytes = options.num_rdma_bytes;
+  req.ranks_per_node = options.ranks_per_node ? options.ranks_per_node : env::ranks_per_node();
+  req.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
+  req.combine_input_bytes = options.num_combine_input_bytes;
+  req.dispatch_input_bytes = options.num_dispatch_input_bytes;
+  // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers).
+  req.arena = {arena_bytes_for(options.num_output_arena_bytes),
+               static_cast<size_t>(options.num_output_reserve_bytes)};
+  req.agree = {{"num_combine_input_bytes", options.num_combine_input_bytes},
+               {"num_dispatch_input_bytes", options.num_dispatch_input_bytes},
+               {"low_latency_mode", options.low_latency_mode}};
+  req.agree_text = {{"flavor", options.flavor}};
+  b.open(*group, req);
+  if (auto a = b.transport->output_arena()) b.allocator = std::make_shared<ArenaAllocator>(a, b.allocator);
   if (options.num_output_reserve_bytes > 0 && !b.transport->output_arena())
     b.allocator->reserve(static_cast<size_t>(options.num_output_reserve_bytes));
   b.start_comm_thread();
@@ -174,30 +102,14 @@ std::string Buffer::Impl::describe() const {
   const auto arena = transport->output_arena();
   return detail::cat(
       detail::describe_ranks(rank, node_of_rank, *transport, network.get()), "; segment ",
-      detail::bytes_str(nvl_bytes),
+      detail::bytes_str(segment_bytes),
       num_nodes > 1 ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
       "; output arena ", arena ? detail::bytes_str(static_cast<int64_t>(arena->bytes())) : "none",
       ", reserve ", detail::bytes_str(options.num_output_reserve_bytes), "; combine input ",
-      detail::bytes_str(input_bytes), ", dispatch input ", detail::bytes_str(dispatch_input_bytes),
-      "; receive order ", receive_order_name(options.receive_order), "; timeout ", timeout_s,
-      " s; copy threads ", Buffer::num_threads());
-}
-
-// Internode (docs/normal-mode.md): equal node sizes, a shared-memory transport over this node's ranks whose
-// segments also hold one lane per node (num_rdma_bytes in all), and the network to our rail peers on the
-// other nodes.
-void Buffer::Impl::setup_internode(const std::string& pre, size_t extra_bytes) {
-  detail::InternodeRequest req;
-  req.segment_bytes = static_cast<size_t>(nvl_bytes);
-  req.rdma_bytes = options.num_rdma_bytes;
-  req.timeout_s = timeout_s;
-  req.extra_bytes = extra_bytes;
-  detail::InternodeParts parts = detail::setup_internode(*group, node_of_rank, req, pre);
-  input_offset = parts.extra_offset;
-  inter = std::move(parts.inter);
-  node_bootstrap = std::move(parts.node_bootstrap);
-  transport = std::move(parts.transport);
-  network = std::move(parts.network);
+      detail::bytes_str(options.num_combine_input_bytes), ", dispatch input ",
+      detail::bytes_str(options.num_dispatch_input_bytes), "; receive order ",
+      receive_order_name(options.receive_order), "; timeout ", timeout_s, " s; copy threads ",
+      Buffer::num_threads());
 }
 
 Buffer::~Buffer() {
@@ -210,9 +122,7 @@ Buffer::~Buffer() {
 void Buffer::destroy() {
   if (!impl_ || impl_->destroyed) return;
   impl_->stop_comm_thread();
-  if (impl_->network && !impl_->failed().empty()) impl_->network->abandon();  // peers may never answer
-  impl_->network.reset();  // before the segments its region lives in
-  impl_->transport.reset();
+  impl_->close();
   impl_->alive.reset();
   impl_->destroyed = true;
 }
@@ -258,20 +168,18 @@ double Buffer::timeout_s() const {
   return impl_->timeout_s;
 }
 int64_t Buffer::num_nvl_bytes() const {
-  return impl_->nvl_bytes;
+  return impl_->segment_bytes;
 }
 int64_t Buffer::num_combine_input_bytes() const {
-  return impl_->input_bytes;
+  return static_cast<int64_t>(impl_->segment.combine_input_bytes);
 }
 
 uint8_t* Buffer::Impl::input_area() const {
-  const int local = inter ? inter->topo.local_index[rank] : rank;
-  return transport->segment(local) + input_offset;
+  return own_segment() + segment.combine_input_offset;
 }
 
 uint8_t* Buffer::Impl::dispatch_input_area() const {
-  const int local = inter ? inter->topo.local_index[rank] : rank;
-  return transport->segment(local) + dispatch_input_offset;
+  return own_segment() + segment.dispatch_input_offset;
 }
 
 int64_t Buffer::num_output_arena_bytes() const {
@@ -280,7 +188,7 @@ int64_t Buffer::num_output_arena_bytes() const {
 }
 
 int64_t Buffer::num_dispatch_input_bytes() const {
-  return impl_->dispatch_input_bytes;
+  return static_cast<int64_t>(impl_->segment.dispatch_input_bytes);
 }
 
 // Empty when rows x cols elements of dtype fit in `area` bytes, else the bytes they need ("more than 2^63"
@@ -301,11 +209,11 @@ Tensor Buffer::get_dispatch_input(int64_t num_tokens, int64_t hidden, DType dtyp
                "argument: dtype: expected bf16, f16 or f32, got ", dtype_name(dtype));
   EPCOMM_CHECK(num_tokens >= 0, pre, "argument: num_tokens: expected >= 0, got ", num_tokens);
   EPCOMM_CHECK(hidden >= 1, pre, "argument: hidden: expected >= 1, got ", hidden);
-  const std::string need = area_need(num_tokens, hidden, dtype, b.dispatch_input_bytes);
+  const std::string need = area_need(num_tokens, hidden, dtype, b.dispatch_input_bytes());
   EPCOMM_CHECK(
       need.empty(), pre, "capacity: ", num_tokens, " tokens x ", hidden, " ", dtype_name(dtype), " need ",
-      need, " bytes, but num_dispatch_input_bytes = ", b.dispatch_input_bytes,
-      b.dispatch_input_bytes ? "" : " (BufferOptions::num_dispatch_input_bytes sets the shared area)");
+      need, " bytes, but num_dispatch_input_bytes = ", b.dispatch_input_bytes(),
+      b.dispatch_input_bytes() ? "" : " (BufferOptions::num_dispatch_input_bytes sets the shared area)");
   return Tensor::wrap(b.dispatch_input_area(), dtype, {num_tokens, hidden}, {},
                       std::shared_ptr<void>(b.alive, b.dispatch_input_area()));
 }
@@ -332,10 +240,10 @@ Tensor Buffer::get_combine_input(const Handle& handle, DType dtype, int64_t hidd
                "argument: dtype: expected bf16, f16 or f32, got ", dtype_name(dtype));
   EPCOMM_CHECK(hidden >= 0, pre, "argument: hidden: expected >= 0, got ", hidden);
   const int64_t H = hidden ? hidden : hd.hidden;
-  const std::string need = area_need(hd.num_rows, H, dtype, b.input_bytes);
+  const std::string need = area_need(hd.num_rows, H, dtype, b.input_bytes());
   EPCOMM_CHECK(need.empty(), pre, "capacity: ", hd.num_rows, " rows x ", H, " ", dtype_name(dtype), " need ",
-               need, " bytes, but num_combine_input_bytes = ", b.input_bytes,
-               b.input_bytes ? "" : " (BufferOptions::num_combine_input_bytes sets the shared area)");
+               need, " bytes, but num_combine_input_bytes = ", b.input_bytes(),
+               b.input_bytes() ? "" : " (BufferOptions::num_combine_input_bytes sets the shared area)");
   // The owner is the Buffer's liveness token (aliased): a view, never a copy, for wrappers that copy
   // ownerless memory (the torch bridge); the area itself lives until destroy().
   return Tensor::wrap(b.input_area(), dtype, {hd.num_rows, H}, {},
@@ -406,14 +314,6 @@ void Buffer::Impl::check_usable(const char* op) {
   if (!f.empty()) EPCOMM_THROW(Aborted, "epcomm[rank ", rank, "] ", op, ": the Buffer failed earlier: ", f);
 }
 
-void Buffer::Impl::mark_failed(const std::string& message) {
-  std::lock_guard<std::mutex> lk(failed_mutex);
-  if (failed_message.empty()) {
-    failed_message = message;
-    EPCOMM_LOG(error, rank, "the Buffer failed, later calls raise Aborted: ", message);
-  }
-}
-
 // A synchronous call runs on the caller's thread when the communication thread has nothing queued or
 // running: order is kept (nothing earlier is pending, and the caller issues nothing else until it
 // returns), and the two hand-offs (a condition-variable wake-up each way, tens of µs on a busy host)
@@ -424,55 +324,42 @@ static bool comm_thread_idle(Buffer::Impl& b) {
 }
 
 // Runs `body` for sequence number `s` on the communication thread (on the caller's thread when `sync` and
-// the communication thread is idle). A call this rank cannot run
-// (`failed_message` set by validation, or a failed previous_event) publishes a failed header instead.
-// Errors raised once data moves (after `on_shapes`), and timeouts, fail the Buffer and are published.
+// the communication thread is idle), under the failure policy of detail::run_call. A call this rank cannot
+// run (`failed_message` set by validation, or a failed previous_event) publishes a failed header instead.
 std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
                                            std::optional<EventOverlap> previous, std::string failed_message,
                                            bool sync, OpBody body) {
   auto st = std::make_shared<detail::EventState>();
   auto task = [&b, s, kind, previous, failed_message, body, st]() mutable {
-    engine::OpContext ctx(*b.transport, b.layout, s, kind, b.timeout_s, b.inter.get());
-    bool moving = false;
+    engine::OpContext ctx = b.op_context(s, kind, b.timeout_s);
     try {
-      if (previous && failed_message.empty()) {
-        try {
-          previous->wait();
-        } catch (const std::exception& e) {
-          failed_message = detail::cat(ctx.prefix(), "previous_event failed: ", e.what());
+      detail::run_call(b, ctx, [&](const std::function<void()>& moving) {
+        if (previous && failed_message.empty()) {
+          try {
+            previous->wait();
+          } catch (const std::exception& e) {
+            failed_message = detail::cat(ctx.prefix(), "previous_event failed: ", e.what());
+          }
         }
-      }
-      if (!failed_message.empty()) {
-        ctx.publish_failed_header(kind, failed_message);
-        throw Error(ErrorCode::Aborted, failed_message);
-      }
-      const bool debug = log::enabled(log::Level::debug);
-      const auto t0 = debug ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-      const detail::CounterSnapshot before = debug ? detail::snapshot(b.counters) : detail::CounterSnapshot{};
-      const int64_t bytes = body(ctx, [&] {
-        moving = true;
-        st->shapes_known();
+        if (!failed_message.empty()) {
+          ctx.publish_failed_header(kind, failed_message);
+          throw Error(ErrorCode::Aborted, failed_message);
+        }
+        const bool debug = log::enabled(log::Level::debug);
+        const auto t0 = debug ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+        const detail::CounterSnapshot before =
+            debug ? detail::snapshot(b.counters) : detail::CounterSnapshot{};
+        const int64_t bytes = body(ctx, [&] {
+          moving();
+          st->shapes_known();
+        });
+        if (debug)
+          EPCOMM_LOG(debug, -1, ctx.prefix(), detail::describe_path(before, detail::snapshot(b.counters)),
+                     "; ", detail::bytes_str(bytes), " of outputs; ", detail::elapsed_ms(t0));
       });
-      ctx.release_lanes();
-      if (debug)
-        EPCOMM_LOG(debug, -1, ctx.prefix(), detail::describe_path(before, detail::snapshot(b.counters)), "; ",
-                   detail::bytes_str(bytes), " of outputs; ", detail::elapsed_ms(t0));
       st->complete(nullptr);
-    } catch (const Error& e) {
-      // Fatal: data was moving, a deadline passed, or a peer's Buffer failed. Errors found before any data
-      // moved (validation, mismatch, capacity, a peer's failed header) leave the Buffer usable.
-      if (moving || e.code() == ErrorCode::Timeout || ctx.saw_peer_failure()) {
-        b.mark_failed(e.what());
-        ctx.publish_failure(e.what());
-      } else {
-        ctx.release_lanes();  // the Buffer stays usable: the peers' next call may come
-      }
+    } catch (...) {
       st->complete(std::current_exception());
-    } catch (const std::exception& e) {
-      std::string msg = detail::cat(ctx.prefix(), "internal error: ", e.what());
-      b.mark_failed(msg);
-      ctx.publish_failure(msg);
-      st->complete(std::make_exception_ptr(Error(ErrorCode::Internal, msg)));
     }
   };
   if (sync && comm_thread_idle(b))

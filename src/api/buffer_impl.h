@@ -1,5 +1,6 @@
-// api/buffer_impl.h — Buffer internals: the transport, the communication thread that runs operations one
-// at a time in call order, the sequence number and the failed state.
+// api/buffer_impl.h — Buffer internals: its communication context (api/comm_context.h: transport, network,
+// segment map, sequence number, failed state), the communication thread that runs operations one at a time
+// in call order, the allocator and the copy threads.
 #pragma once
 
 #include <condition_variable>
@@ -8,6 +9,7 @@
 #include <mutex>
 #include <thread>
 
+#include "api/comm_context.h"
 #include "engine/combine.h"
 #include "engine/dispatch.h"
 #include "engine/internode.h"
@@ -19,31 +21,14 @@
 
 namespace epcomm {
 
-struct Buffer::Impl {
+struct Buffer::Impl : detail::CommContext {
   std::shared_ptr<Group> group;
   BufferOptions options;
-  int rank = 0, num_ranks = 1, num_nodes = 1;
-  std::vector<int> node_of_rank;
-  double timeout_s = 100;
-  int64_t nvl_bytes = 0;
   std::shared_ptr<Allocator> allocator;
-  std::unique_ptr<Bootstrap> node_bootstrap;  // internode: the ranks of this node (the shm transport's group)
-  std::unique_ptr<Transport> transport;       // this node's ranks (all ranks on one node)
-  std::unique_ptr<Network> network;           // internode only: to the rail peers on the other nodes
-  std::unique_ptr<engine::Internode> inter;   // internode only
-  engine::SegmentLayout layout;
-  int64_t input_bytes = 0;  // the shared combine-input area: size, and offset from the segment's start
-  size_t input_offset = 0;
-  int64_t dispatch_input_bytes = 0;  // the shared dispatch-input area (after the combine-input area)
-  size_t dispatch_input_offset = 0;
   engine::CopyCounters counters;
   engine::WorkerPool workers;  // copy threads (Config::num_threads), started when a call first needs them
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
-  uint64_t seq = 0;                                       // last sequence number issued
   bool destroyed = false;
-
-  std::mutex failed_mutex;
-  std::string failed_message;  // non-empty: the Buffer failed; later calls raise Aborted quoting it
 
   // Communication thread.
   std::thread comm;
@@ -52,20 +37,16 @@ struct Buffer::Impl {
   std::deque<std::function<void()>> queue;
   bool stop = false;
 
-  void setup_internode(const std::string& pre, size_t extra_bytes);
   std::string describe() const;  // the EPCOMM_LOG=info set-up line
   uint8_t* input_area() const;   // this rank's shared combine-input area
   uint8_t* dispatch_input_area() const;
+  int64_t input_bytes() const { return static_cast<int64_t>(segment.combine_input_bytes); }
+  int64_t dispatch_input_bytes() const { return static_cast<int64_t>(segment.dispatch_input_bytes); }
   void start_comm_thread();
   void stop_comm_thread() noexcept;
   void enqueue(std::function<void()> task);
   std::string prefix(const char* op, uint64_t s) const;
   void check_usable(const char* op);
-  void mark_failed(const std::string& message);
-  std::string failed() {
-    std::lock_guard<std::mutex> lk(failed_mutex);
-    return failed_message;
-  }
 };
 
 namespace detail {

@@ -5,8 +5,9 @@
 //
 // Failure rules (docs/distribute-v2.md): a rank whose local checks fail publishes a failed header for the
 // call on every group the call uses, so the peers raise Aborted naming it, and every group stays usable. A
-// stage that fails after its data started moving, or times out, or sees a peer's failure, fails its group for
-// good; the other group of the call gets a failed header instead of silence.
+// stage fails its group under the one policy of every communication context (detail::run_call: after data
+// started moving, on a timeout, a peer's failure or an internal error); the other group of the call gets a
+// failed header instead of silence.
 #include <memory>
 #include <mutex>
 
@@ -26,7 +27,6 @@ using engine::OpKind;
 struct Stage {
   GroupContext* group = nullptr;
   std::unique_ptr<OpContext> ctx;
-  bool moving = false;
   explicit operator bool() const { return ctx != nullptr; }
 };
 
@@ -57,11 +57,11 @@ struct Call {
     // A failed group is not used again (its peers see its failure notice); the other group gets a failed
     // header so that its peers do not wait for this call.
     std::string refused;
-    if (!eg.failed.empty()) {
-      refused = "the ep group failed earlier: " + eg.failed;
+    if (const std::string f = eg.failed(); !f.empty()) {
+      refused = "the ep group failed earlier: " + f;
     } else {
       ep.group = &eg;
-      ep.ctx = std::make_unique<OpContext>(*eg.transport, eg.layout, seq, k, tt, eg.inter.get());
+      ep.ctx = std::make_unique<OpContext>(*eg.transport, eg.segment.engine, seq, k, tt, eg.inter.get());
       ep.ctx->set_naming(prefix, "ep rank");
     }
     ErrorCode refused_code = ErrorCode::Aborted;
@@ -72,11 +72,11 @@ struct Call {
             "argument: tp_group: its two ranks are on different nodes (hosts, or virtual nodes of "
             "EPCOMM_RANKS_PER_NODE); a TP pair must be on one node";
         refused_code = ErrorCode::InvalidUsage;
-      } else if (!tg->failed.empty()) {
-        refused = "the tp group failed earlier: " + tg->failed;
+      } else if (const std::string f = tg->failed(); !f.empty()) {
+        refused = "the tp group failed earlier: " + f;
       } else {
         tp.group = tg;
-        tp.ctx = std::make_unique<OpContext>(*tg->transport, tg->layout, tseq, k, tt);
+        tp.ctx = std::make_unique<OpContext>(*tg->transport, tg->segment.engine, tseq, k, tt);
         tp.ctx->set_naming(epcomm::detail::cat(prefix, "tp pair #", tseq, ": "), "tp rank");
       }
     }
@@ -105,36 +105,20 @@ struct Call {
     s.ctx->release_lanes();  // across nodes: this call is over here, the peers' next one may send
   }
 
-  // Runs one stage; on failure fails its group when fatal, warns `other` when it has not run yet.
+  // Runs one stage under the failure policy of detail::run_call; on failure warns `other` when it has not
+  // run yet.
   template <typename Body>
   void run(Stage& s, Stage* other, Body&& body) {
     try {
-      const bool debug = log::enabled(log::Level::debug);
-      const auto t0 = debug ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-      body(*s.ctx, [&s] { s.moving = true; });
-      s.ctx->release_lanes();  // across nodes: this call is over here, the peers' next one may send
-      if (debug) EPCOMM_LOG(debug, -1, s.ctx->prefix(), "done; ", epcomm::detail::elapsed_ms(t0));
+      epcomm::detail::run_call(*s.group, *s.ctx, [&](const std::function<void()>& moving) {
+        const bool debug = log::enabled(log::Level::debug);
+        const auto t0 = debug ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+        body(*s.ctx, moving);
+        if (debug) EPCOMM_LOG(debug, -1, s.ctx->prefix(), "done; ", epcomm::detail::elapsed_ms(t0));
+      });
     } catch (const Error& e) {
-      stage_failed(s, e.what(), e.code());
       if (other) fail_header(*other, e.what());
       throw;
-    } catch (const std::exception& e) {
-      const std::string msg = epcomm::detail::cat(s.ctx->prefix(), "internal error: ", e.what());
-      stage_failed(s, msg, ErrorCode::Internal);
-      if (other) fail_header(*other, msg);
-      throw Error(ErrorCode::Internal, msg);
-    }
-  }
-
-  void stage_failed(Stage& s, const std::string& msg, ErrorCode code) {
-    if (s.moving || code == ErrorCode::Timeout || code == ErrorCode::Internal || s.ctx->saw_peer_failure()) {
-      if (s.group->failed.empty()) {
-        s.group->failed = msg;
-        EPCOMM_LOG(error, -1, "the group failed (later calls raise Aborted): ", msg);
-      }
-      s.ctx->publish_failure(msg);
-    } else {
-      s.ctx->release_lanes();  // the group stays usable
     }
   }
 };

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "api/internode_setup.h"
 #include "api/setup_log.h"
 #include "common/check.h"
 #include "common/env.h"
@@ -14,8 +13,6 @@
 namespace epcomm::moe {
 namespace {
 
-constexpr int64_t kDefaultSegmentBytes = 64ll << 20;
-
 void create_context(Group& group, const GroupContextOptions& options) {
   const std::string pre = detail::cat("epcomm[rank ", group.rank(), "] moe group context: ");
   try {
@@ -23,64 +20,27 @@ void create_context(Group& group, const GroupContextOptions& options) {
   } catch (const Error& e) {
     EPCOMM_THROW(InvalidUsage, pre, e.what());
   }
-  EPCOMM_CHECK(group.size() <= engine::kMaxRanks, pre, "argument: at most ", engine::kMaxRanks,
-               " ranks are supported, got ", group.size());
-  const double timeout = options.timeout_s ? *options.timeout_s : env::timeout_s();
-  EPCOMM_CHECK(timeout > 0, pre, "argument: timeout_s: expected > 0, got ", timeout);
-  const int64_t bytes = options.segment_bytes ? options.segment_bytes : kDefaultSegmentBytes;
-  const int64_t minimum = static_cast<int64_t>(engine::control_bytes(group.size())) + 4 * engine::kAlign;
-  EPCOMM_CHECK(bytes >= minimum, pre, "argument: segment_bytes = ", bytes,
-               " is below the control part plus 256 bytes (", minimum, " bytes for ", group.size(),
-               " ranks)");
-  EPCOMM_CHECK(options.num_rdma_bytes >= 0, pre, "argument: num_rdma_bytes: expected >= 0, got ",
-               options.num_rdma_bytes);
+  epcomm::detail::CommRequest req;
+  req.what = "group";
+  req.pre = pre;
+  req.segment_bytes = options.segment_bytes;
+  req.segment_name = "segment_bytes";
+  req.rdma_bytes = options.num_rdma_bytes;
+  req.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
+  req.peer_word = "ep rank";
   // Node partition: explicit, or EPCOMM_RANKS_PER_NODE (a group no larger than P is one node, so that a TP
   // pair or a small EP group stays whole), or by host.
-  int P = options.ranks_per_node;
-  if (P == 0 && env::ranks_per_node() > 0) P = std::min(env::ranks_per_node(), group.size());
-  // Every rank must use the same sizes: agree first, so that every rank raises the same error.
-  const int64_t mine[3] = {bytes, options.num_rdma_bytes, P};
-  std::vector<std::byte> buf(sizeof(mine));
-  std::memcpy(buf.data(), mine, sizeof(mine));
-  auto all = group.bootstrap().all_gather(buf);
-  const char* names[3] = {"segment_bytes", "num_rdma_bytes", "ranks_per_node"};
-  for (int f = 0; f < 3; ++f) {
-    std::string per_rank;
-    bool differ = false;
-    for (int r = 0; r < group.size(); ++r) {
-      int64_t v;
-      std::memcpy(&v, all.data() + r * sizeof(mine) + f * sizeof(int64_t), sizeof(v));
-      per_rank += detail::cat(r ? ", " : "", "rank ", r, " = ", v);
-      differ |= v != mine[f];
-    }
-    EPCOMM_CHECK(!differ, pre, "mismatch: ranks disagree on ", names[f], ": ", per_rank);
-  }
-  const std::vector<int> node_of = detail::node_partition(group, P, pre);
+  req.ranks_per_node = options.ranks_per_node;
+  if (req.ranks_per_node == 0 && env::ranks_per_node() > 0)
+    req.ranks_per_node = std::min(env::ranks_per_node(), group.size());
   auto ctx = std::make_shared<GroupContext>();
-  ctx->rank = group.rank();
-  ctx->size = group.size();
-  ctx->timeout_s = timeout;
-  if (*std::max_element(node_of.begin(), node_of.end()) > 0) {
-    detail::InternodeRequest req;
-    req.segment_bytes = static_cast<size_t>(bytes);
-    req.rdma_bytes = options.num_rdma_bytes;
-    req.timeout_s = timeout;
-    req.peer_word = "ep rank";
-    detail::InternodeParts parts = detail::setup_internode(group, node_of, req, pre);
-    ctx->inter = std::move(parts.inter);
-    ctx->node_bootstrap = std::move(parts.node_bootstrap);
-    ctx->transport = std::move(parts.transport);
-    ctx->network = std::move(parts.network);
-  } else {
-    ctx->transport = make_shm_transport(group.bootstrap(), static_cast<size_t>(bytes), group.next_instance());
-  }
-  ctx->layout = engine::carve(static_cast<size_t>(bytes), group.size());
+  ctx->open(group, req);
   EPCOMM_LOG(
       info, group.rank(), "moe group context: ",
-      detail::describe_ranks(group.rank(), node_of, *ctx->transport, ctx->network.get()), "; segment ",
-      detail::bytes_str(bytes),
+      epcomm::detail::describe_ranks(group.rank(), ctx->node_of_rank, *ctx->transport, ctx->network.get()),
+      "; segment ", detail::bytes_str(ctx->segment_bytes),
       ctx->network ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
-      "; timeout ", timeout, " s");
+      "; timeout ", ctx->timeout_s, " s");
   group.moe_context() = std::move(ctx);
 }
 

@@ -22,6 +22,7 @@
 
 #include "engine/forward.h"
 #include "engine/kernels.h"
+#include "engine/staged_sender.h"
 #include "engine/window_serve.h"
 #include "quant/row.h"
 #include "routing/layout.h"
@@ -295,7 +296,6 @@ class DispatchCall {
 
  private:
   void stage(int64_t w);
-  void publish_staged();
   void start_internode();
   void fill_header();
   void allocate_outputs();
@@ -308,7 +308,6 @@ class DispatchCall {
   void pull(int s, int64_t w);
   void pull_cached(int s, int64_t w, int64_t t1, const StagedWindow& win, const uint8_t* sx);
   void pull_entry(int s, int64_t t, const uint8_t* payload, const uint8_t* m);
-  bool can_stage(int64_t w) const;
   bool out_ready(int d) const {
     return ctx_.control(d)->out_ready.load(std::memory_order_acquire) >= pack(seq_, 1);
   }
@@ -353,13 +352,11 @@ class DispatchCall {
   DispatchGeometry geo_;
   int64_t W_;
   int64_t row_window_;  // the capacity rule (docs/normal-mode.md) holds for the staged record, pushed or not
-  int64_t my_nwin_;
   uint8_t* const my_area_;
   bool share_x_ = false;
   bool can_push_ = false;
-  bool push_ = false;  // decided once the headers are in
-  int64_t staged_ = 0;
-  std::optional<WindowSender> sender_;
+  bool push_ = false;    // decided once the headers are in
+  StagedSender sender_;  // our windows (staged pull)
   std::optional<AckForwarder> acks_;
   Clock::time_point t_headers_;
   std::vector<int64_t> tokens_of_;
@@ -407,11 +404,12 @@ DispatchCall::DispatchCall(OpContext& ctx, DispatchInput& in, DispatchOutput& ou
       tp_(ctx.transport()),
       arena_(tp_.output_arena().get()),
       seq_(ctx.seq()),
-      my_area_(ctx.data(me_)) {
+      my_area_(ctx.data(me_)),
+      sender_(ctx) {
   geo_ = window_geometry(ctx_, row_bytes_, meta_, lane_half_, net_meta_);
   W_ = geo_.window;
   row_window_ = W_;
-  my_nwin_ = W_ > 0 ? num_windows(in_.num_tokens, W_) : 0;
+  sender_.set_windows(W_ > 0 ? num_windows(in_.num_tokens, W_) : 0);
   // x in our shared dispatch-input area (one node, plain rows): receivers read the rows in place, the
   // windows carry only the routing (same geometry, so that every rank computes the same windows).
   share_x_ = !inter_ && in_.shared_offset >= 0 && !f_.quantize && !in_.scales;
@@ -459,11 +457,6 @@ void DispatchCall::stage(int64_t w) {
   }
 }
 
-void DispatchCall::publish_staged() {
-  ++staged_;
-  ctx_.control(me_)->stage_ready.store(pack(ctx_.seq(), staged_), std::memory_order_seq_cst);
-}
-
 // Internode: the tokens each other node needs (ascending) go there as compact windows; as proxy of our rail
 // peers we forward our node's acknowledgements.
 void DispatchCall::start_internode() {
@@ -479,8 +472,8 @@ void DispatchCall::start_internode() {
           break;
         }
     }
-  sender_.emplace(ctx_, my_area_, geo_, lane_half_, net_meta_, in_.num_tokens, row_bytes_,
-                  std::move(node_tokens));
+  sender_.start_network(my_area_, geo_, lane_half_, net_meta_, in_.num_tokens, row_bytes_,
+                        std::move(node_tokens));
   acks_.emplace(ctx_);
 }
 
@@ -524,12 +517,10 @@ void DispatchCall::exchange_headers() {
   fill_header();
   ctx_.publish_header();
   // (A rank that may push stages nothing yet: its windows' geometry depends on whether every rank pushes.)
-  while (!can_push_ && staged_ < std::min<int64_t>(my_nwin_, 2)) {
-    stage(staged_);
-    publish_staged();
-  }
+  while (!can_push_ && sender_.staged() < std::min<int64_t>(sender_.windows(), 2))
+    sender_.stage_next([this](int64_t w) { stage(w); });
   if (inter_)
-    ctx_.exchange_headers([&](bool& progressed) { sender_->send_staged(staged_, progressed); });
+    ctx_.exchange_headers([&](bool& progressed) { sender_.send(progressed); });
   else
     ctx_.exchange_headers();
   check_headers_match(ctx_);
@@ -538,7 +529,7 @@ void DispatchCall::exchange_headers() {
   if (push_) {  // the windows carry only the routing
     geo_ = window_geometry(ctx_, 0, meta_, lane_half_, net_meta_);
     W_ = geo_.window;
-    my_nwin_ = num_windows(in_.num_tokens, W_);
+    sender_.set_windows(num_windows(in_.num_tokens, W_));
   }
   t_headers_ = Clock::now();
   tokens_of_.resize(R_);
@@ -717,6 +708,9 @@ void DispatchCall::set_up_outputs() {
 
 void DispatchCall::set_up_rounds() {
   my_dest_tokens_ = in_.cached ? &hd_->tokens_per_rank : &in_.tokens_per_rank;
+  std::vector<uint8_t> receivers(R_);
+  for (int d = 0; d < R_; ++d) receivers[d] = (*my_dest_tokens_)[d] > 0;
+  sender_.set_receivers(std::move(receivers));
   nwin_.assign(R_, 0);
   pulled_.assign(R_, 0);
   done_us_.assign(R_, -1);
@@ -878,15 +872,6 @@ void DispatchCall::pull(int s, int64_t w) {
     pull_entry(s, win.token(e), sx ? sx + win.token(e) * row_bytes_ : win.payload(e), win.meta(e));
 }
 
-bool DispatchCall::can_stage(int64_t w) const {
-  if (w < 2) return true;
-  for (int p = 0; p < R_; ++p)
-    if ((*my_dest_tokens_)[p] > 0 &&
-        ctx_.cell(me_, p)->ack.load(std::memory_order_acquire) < pack(seq_, w - 1))
-      return false;
-  return !inter_ || (sender_->all_sent(w - 1) && sender_->half_free(w));
-}
-
 // Every source's staged windows that are out; true once all are read and, pushing, its rows written.
 bool DispatchCall::pull_sources(bool& progressed) {
   serve_published_windows(ctx_, me_, &Control::stage_ready, &PeerCell::ack, pulled_, nwin_, progressed,
@@ -918,23 +903,14 @@ void DispatchCall::serve_receivers(bool& progressed) {
 bool DispatchCall::data_step(bool& progressed) {
   // Internode: every staged window goes to the proxies of the nodes that need our tokens (only once the
   // headers are in: their lanes are free then).
-  if (inter_) sender_->send_staged(staged_, progressed);
-  while (staged_ < my_nwin_ && (!inter_ || sender_->all_sent(staged_)) && can_stage(staged_)) {
-    stage(staged_);
-    publish_staged();
-    for (int p = 0; p < R_; ++p)
-      if ((*my_dest_tokens_)[p] > 0 && p != me_ && !ctx_.remote(p)) ctx_.notify(p);
-    progressed = true;
-  }
-  // Done once every window is staged and acknowledged (so that the next call may reuse the area) and every
-  // source's windows are pulled.
-  bool all = staged_ == my_nwin_ && can_stage(my_nwin_ + 1) && push_left_ == 0;
+  // Done once every window is staged, acknowledged and sent (so that the next call may reuse the area) and
+  // every source's windows are pulled.
+  bool all = sender_.step(progressed, [this](int64_t w) { stage(w); }) && push_left_ == 0;
   if (inter_) {
     // As proxy of rail peer s: the ranks of our node that pull from s (its counts say so).
     auto receives = [&](int s, int d) { return ctx_.counts(s)[ctx_.header(s)->num_counts - R_ + d] > 0; };
     auto windows = [&](int s) { return num_windows(tokens_of_[s], W_); };
-    all = acks_->step(progressed, receives, windows) && all && sender_->all_sent(my_nwin_) &&
-          sender_->complete();
+    all = acks_->step(progressed, receives, windows) && all;
   }
   all = pull_sources(progressed) && all;
   // After the routing windows above: the metadata of the rows we receive is filled (and acknowledged)
@@ -952,9 +928,7 @@ std::vector<int> DispatchCall::awaited_peers() const {
   if (push_left_ > 0)
     for (int d = 0; d < R_; ++d)
       if ((*my_dest_tokens_)[d] > 0 && !pushed_to_[d] && !out_ready(d)) add_awaited(peers, d, me_);
-  if (!(staged_ == my_nwin_ && can_stage(my_nwin_ + 1)))
-    for (int p = 0; p < R_; ++p)
-      if ((*my_dest_tokens_)[p] > 0) add_awaited(peers, p, me_);
+  if (!sender_.done()) sender_.add_awaited(peers);
   return peers;
 }
 

@@ -11,6 +11,7 @@
 #include "engine/forward.h"
 #include "engine/kernels.h"
 #include "engine/pair_exchange.h"
+#include "engine/staged_sender.h"
 #include "engine/window_serve.h"
 #include "quant/block.h"
 
@@ -131,7 +132,8 @@ struct DispatchV2Call {
         per_window(mine.geo.window),
         seq(c.seq()),
         inter(c.internode()),
-        my_area(c.data(me)) {}
+        my_area(c.data(me)),
+        sender(c) {}
 
   // Phases.
   void count_own_rows();
@@ -143,9 +145,6 @@ struct DispatchV2Call {
 
   // Sender side.
   void stage(int64_t w);
-  void stage_next();
-  bool acked_by_all(int64_t windows) const;
-  bool can_stage(int64_t w) const;
   // Receiver side.
   void place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot, float escale);
   void pull(int s, int64_t w);
@@ -169,15 +168,13 @@ struct DispatchV2Call {
   Internode* const inter;
   uint8_t* const my_area;  // free for staging: every call ends only once its peers are done with it
 
-  // count_own_rows: rows per MoE expert, active tokens, the receivers of our rows, our windows.
+  // count_own_rows: rows per MoE expert, active tokens; the receivers of our rows and our windows go to
+  // `sender` (staged pull; set_up_internode starts its network half across nodes).
   std::vector<int32_t> per_expert;
   int32_t n_active = 0;
-  std::vector<uint8_t> dest;
-  int64_t my_windows = 0;
-  int64_t staged = 0;  // windows staged so far
+  StagedSender sender;
   std::vector<float> scratch;
   // set_up_internode.
-  std::optional<WindowSender> sender;
   std::optional<AckForwarder> acks;
   // check_sender_records: every sender's geometry and tokens.
   std::vector<SenderGeometry> geos;
@@ -198,14 +195,15 @@ void DispatchV2Call::count_own_rows() {
     for (int k = 0; k < K; ++k)
       if (int32_t e = in.ids[t * K + k]; e >= 0) ++per_expert[e];
   }
-  dest.assign(W, 0);
+  std::vector<uint8_t> dest(W, 0);
   for (int e = 0; e < E; ++e)
     if (per_expert[e] > 0) dest[lay.rank_of(e)] = 1;
   if (n_active > 0)
     for (int p = 0; p < lay.Sr; ++p)
       if (lay.shared_serves(p, me)) dest[p] = 1;
   const bool any_dest = std::find(dest.begin(), dest.end(), 1) != dest.end();
-  my_windows = any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0;
+  sender.set_windows(any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0);
+  sender.set_receivers(std::move(dest));
 }
 
 // Internode: each other node gets, compact, the active tokens routed to one of its ranks (all active tokens
@@ -228,8 +226,9 @@ void DispatchV2Call::set_up_internode() {
     for (int n = 0; n < M; ++n)
       if (n != topo.node() && needs[n]) node_tokens[n].push_back(static_cast<int32_t>(t));
   }
-  sender.emplace(ctx, my_area, mine.geo, mine.lane_half, mine.net_meta, in.bs,
-                 static_cast<size_t>(f.data_bytes + f.scale_bytes) * my_payloads, std::move(node_tokens));
+  sender.start_network(my_area, mine.geo, mine.lane_half, mine.net_meta, in.bs,
+                       static_cast<size_t>(f.data_bytes + f.scale_bytes) * my_payloads,
+                       std::move(node_tokens));
   acks.emplace(ctx);
 }
 
@@ -246,9 +245,10 @@ void DispatchV2Call::exchange_headers() {
   c[E + kCountActive] = n_active;
   c[E + kCountPayloads] = my_payloads;
   ctx.publish_header();
-  while (staged < std::min<int64_t>(my_windows, 2)) stage_next();
+  while (sender.staged() < std::min<int64_t>(sender.windows(), 2))
+    sender.stage_next([this](int64_t w) { stage(w); });
   if (inter)
-    ctx.exchange_headers([this](bool& progressed) { sender->send_staged(staged, progressed); });
+    ctx.exchange_headers([this](bool& progressed) { sender.send(progressed); });
   else
     ctx.exchange_headers();
   check_params(ctx, OpKind::dispatch_v2,
@@ -351,23 +351,6 @@ void DispatchV2Call::stage(int64_t w) {
   }
 }
 
-void DispatchV2Call::stage_next() {
-  stage(staged);
-  ++staged;
-  ctx.control(me)->stage_ready.store(pack(seq, staged), std::memory_order_seq_cst);
-}
-
-bool DispatchV2Call::acked_by_all(int64_t windows) const {
-  for (int p = 0; p < W; ++p)
-    if (dest[p] && ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, windows)) return false;
-  return true;
-}
-
-bool DispatchV2Call::can_stage(int64_t w) const {
-  if (w < 2) return true;
-  return acked_by_all(w - 1) && (!inter || (sender->all_sent(w - 1) && sender->half_free(w)));
-}
-
 void DispatchV2Call::place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot,
                            float escale) {
   copy_row(out.expand_x + static_cast<size_t>(row) * f.data_bytes, payload, f.data_bytes);
@@ -418,19 +401,12 @@ bool DispatchV2Call::receives(int s, int d) const {
 }
 
 bool DispatchV2Call::step(bool& progressed) {
-  if (inter) sender->send_staged(staged, progressed);
-  while (staged < my_windows && (!inter || sender->all_sent(staged)) && can_stage(staged)) {
-    stage_next();
-    for (int p = 0; p < W; ++p)
-      if (dest[p] && p != me && !ctx.remote(p)) ctx.notify(p);
-    progressed = true;
-  }
-  bool all = staged == my_windows && (my_windows == 0 || acked_by_all(my_windows));
+  bool all = sender.step(progressed, [this](int64_t w) { stage(w); });
   if (inter)
     all = acks->step(
               progressed, [this](int s, int d) { return receives(s, d); },
               [this](int s) { return windows_of(s); }) &&
-          all && sender->all_sent(my_windows) && sender->complete();
+          all;
   const bool pulled_all = serve_published_windows(ctx, me, &Control::stage_ready, &PeerCell::ack, pulled,
                                                   nwin, progressed, [this](int s, int64_t w) { pull(s, w); });
   return all && pulled_all;
@@ -440,10 +416,7 @@ std::vector<int> DispatchV2Call::awaited() const {
   std::vector<int> peers;  // sources still to pull, then receivers whose acknowledgements we await
   for (int s = 0; s < W; ++s)
     if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
-  for (int p = 0; p < W; ++p)
-    if (dest[p] &&
-        ctx.cell(me, p)->ack.load(std::memory_order_acquire) < pack(seq, std::max<int64_t>(my_windows, 1)))
-      add_awaited(peers, p, me);
+  if (!sender.done()) sender.add_awaited(peers);
   return peers;
 }
 

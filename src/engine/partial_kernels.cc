@@ -1,7 +1,7 @@
-// engine/partial_kernels.cc — the two halves of the hierarchical combine reduction (spec/normal-mode.md
-// §5.1 across nodes): a node's f32 partial of its contributions, then the origin's sum of the partials in
-// node order, the biases and the one rounding. Element-wise IEEE f32, no FMA, fixed order: the result does
-// not depend on vector width.
+// engine/partial_kernels.cc — the two halves of the hierarchical combine reduction (docs/normal-mode.md,
+// combine across nodes, and docs/internode.md): a node's f32 partial of its contributions, then the origin's
+// sum of the partials in node order, the biases and the one rounding. Element-wise IEEE f32, no FMA, fixed
+// order: the result does not depend on vector width.
 #include <algorithm>
 
 #include "common/target_clones.h"
