@@ -52,9 +52,7 @@ struct LlBenchOptions {
   LlFormat format = LlFormat::bf16;
   bool zero_copy = false;
   uint64_t seed = 1;
-  Launcher launcher = Launcher::fork;
-  std::optional<double> timeout_s;
-  bool quiet = false;
+  LaunchFlags launch;
 };
 
 const char* format_name(LlFormat f) {
@@ -260,10 +258,10 @@ int bench_rank_ll(const LlBenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   auto group = Group::create(std::move(bootstrap));
   const int r = group->rank();
   Bootstrap& bs = group->bootstrap();
-  Progress progress("epcomm bench", r == 0 && !o.quiet);
+  Progress progress("epcomm bench", r == 0 && !o.launch.quiet);
   BufferOptions bo;
   bo.low_latency_mode = true;
-  bo.timeout_s = o.timeout_s;
+  bo.timeout_s = o.launch.timeout_s;
   bo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, W, o.experts);
   Buffer buffer(group, bo);
   LlInputs in;
@@ -307,9 +305,7 @@ LlBenchOptions parse_ll_options(FlagParser& p) {
                                : LlFormat::bf16;
   o.zero_copy = p.on("zero-copy");
   o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
-  o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
-  if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
-  o.quiet = p.on("quiet");
+  o.launch = read_launch_flags(p);
   if (o.hidden % (o.format == LlFormat::ue8m0 ? 512 : 128) != 0)
     throw UsageError(bad_value("hidden",
                                o.format == LlFormat::ue8m0 ? "a multiple of 512" : "a multiple of 128",
@@ -339,9 +335,7 @@ int run_bench_ll(int argc, char** argv) {
   p.add("iters", "N", "50", "timed iterations");
   p.add("warmup", "N", "0", "untimed iterations first (0: the first call is measured)");
   p.add("seed", "S", "1", "random seed");
-  p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
-  p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
-  p.add_switch("quiet", "no progress lines on stderr");
+  add_launch_flags(p);
   p.set_epilog(kEpilog);
   if (!p.parse(argc, argv)) {
     std::fputs(p.help().c_str(), stdout);
@@ -350,11 +344,7 @@ int run_bench_ll(int argc, char** argv) {
   const LlBenchOptions o = parse_ll_options(p);
   int rc = kExitOk;
   for (int W : o.ranks) {
-    RunOptions ro;
-    ro.ranks = W;
-    ro.launcher = o.launcher;
-    ro.timeout_s = o.timeout_s;
-    ro.quiet = o.quiet;
+    const RunOptions ro = launch_options(o.launch, W);
     rc = std::max(rc, run_ranks("epcomm bench", ro, [&](std::unique_ptr<Bootstrap> bs) {
                     return bench_rank_ll(o, W, std::move(bs));
                   }));

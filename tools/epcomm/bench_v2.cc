@@ -61,9 +61,7 @@ struct V2BenchOptions {
   int64_t segment_bytes = 0;
   int ranks_per_node = 0;      // 0: EPCOMM_RANKS_PER_NODE, else one node per host
   int64_t num_rdma_bytes = 0;  // across nodes: lanes per rank (0 = 64 MiB)
-  Launcher launcher = Launcher::fork;
-  std::optional<double> timeout_s;
-  bool quiet = false;
+  LaunchFlags launch;
 };
 
 size_t scale_bytes_of(int mode, int64_t H) {
@@ -120,10 +118,10 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   auto group = Group::create(std::move(bootstrap));
   const int r = group->rank();
   Bootstrap& bs = group->bootstrap();
-  Progress progress("epcomm bench", r == 0 && !o.quiet);
+  Progress progress("epcomm bench", r == 0 && !o.launch.quiet);
   moe::GroupContextOptions co;
   co.segment_bytes = o.segment_bytes;
-  co.timeout_s = o.timeout_s;
+  co.timeout_s = o.launch.timeout_s;
   co.ranks_per_node = o.ranks_per_node;
   co.num_rdma_bytes = o.num_rdma_bytes;
   moe::init_group_context(*group, co);
@@ -277,7 +275,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("dtype", dtype_name(o.dtype))
           .add("quant_mode", o.quant_mode)
           .add("comm_quant_mode", o.comm_quant)
-          .add("launcher", o.launcher == Launcher::fork ? "fork" : "threads")
+          .add("launcher", o.launch.launcher == Launcher::fork ? "fork" : "threads")
           .add("iters", o.iters)
           .add("warmup", o.warmup)
           .add("selections", selections)
@@ -334,9 +332,7 @@ int run_bench_v2(int argc, char** argv) {
         "split the ranks into nodes of P that talk over UCX (virtual nodes; 0: EPCOMM_RANKS_PER_NODE, else "
         "by host)");
   p.add("num-rdma-bytes", "BYTES", "64M", "across nodes: lanes per rank (K, M, G suffixes)");
-  p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
-  p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
-  p.add_switch("quiet", "no progress lines on stderr");
+  add_launch_flags(p);
   p.set_epilog(kEpilog);
   if (!p.parse(argc, argv)) {
     std::fputs(p.help().c_str(), stdout);
@@ -359,9 +355,7 @@ int run_bench_v2(int argc, char** argv) {
   o.segment_bytes = p.given("num-nvl-bytes") ? p.bytes("num-nvl-bytes") : 0;
   o.ranks_per_node = static_cast<int>(p.integer("ranks-per-node", 0, 1024));
   o.num_rdma_bytes = p.given("num-rdma-bytes") ? p.bytes("num-rdma-bytes") : 0;
-  o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
-  if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
-  o.quiet = p.on("quiet");
+  o.launch = read_launch_flags(p);
   if (o.topk > o.experts) throw UsageError(bad_value("topk", "<= experts", std::to_string(o.topk)));
   for (int W : o.ranks) {
     if (o.shared_ranks >= W || o.experts % (W - o.shared_ranks) != 0)
@@ -374,11 +368,7 @@ int run_bench_v2(int argc, char** argv) {
   }
   int status = kExitOk;
   for (int W : o.ranks) {
-    RunOptions ro;
-    ro.ranks = W;
-    ro.launcher = o.launcher;
-    ro.timeout_s = o.timeout_s;
-    ro.quiet = o.quiet;
+    const RunOptions ro = launch_options(o.launch, W);
     const int s = run_ranks("epcomm bench", ro, [&](std::unique_ptr<Bootstrap> bs) {
       return bench_rank_v2(o, W, std::move(bs));
     });

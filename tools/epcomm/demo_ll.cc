@@ -40,9 +40,7 @@ struct DemoLlOptions {
   int64_t tokens = 8, hidden = 256, intermediate = 128;
   bool fp8 = false;
   uint64_t seed = 1;
-  Launcher launcher = Launcher::fork;
-  std::optional<double> timeout_s;
-  bool quiet = false;
+  LaunchFlags launch;
   MoeShape shape() const { return {hidden, intermediate, experts, topk}; }
 };
 
@@ -169,10 +167,10 @@ int demo_rank_ll(const DemoLlOptions& o, std::unique_ptr<Bootstrap> bootstrap) {
   auto group = Group::create(std::move(bootstrap));
   const int r = group->rank();
   Bootstrap& bs = group->bootstrap();
-  Progress progress("epcomm demo", r == 0 && !o.quiet);
+  Progress progress("epcomm demo", r == 0 && !o.launch.quiet);
   BufferOptions bo;
   bo.low_latency_mode = true;
-  bo.timeout_s = o.timeout_s;
+  bo.timeout_s = o.launch.timeout_s;
   bo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, o.ranks, o.experts);
   Buffer buffer(group, bo);
   std::vector<double> step_us;
@@ -222,9 +220,7 @@ DemoLlOptions parse_options(FlagParser& p) {
   o.steps = static_cast<int>(p.integer("steps", 1, 1 << 20));
   o.fp8 = p.on("fp8");
   o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
-  o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
-  if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
-  o.quiet = p.on("quiet");
+  o.launch = read_launch_flags(p);
   if (o.experts % o.ranks != 0)
     throw UsageError(
         bad_value("experts", "a multiple of ranks = " + std::to_string(o.ranks), std::to_string(o.experts)));
@@ -251,20 +247,14 @@ int run_demo_ll(int argc, char** argv) {
   p.add("steps", "N", "4", "decode steps");
   p.add_switch("fp8", "dispatch e4m3 codes per 128 channels (use_fp8; hidden % 128 == 0)");
   p.add("seed", "S", "1", "random seed");
-  p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
-  p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
-  p.add_switch("quiet", "no progress lines on stderr");
+  add_launch_flags(p);
   p.set_epilog(kEpilog);
   if (!p.parse(argc, argv)) {
     std::fputs(p.help().c_str(), stdout);
     return kExitOk;
   }
   const DemoLlOptions o = parse_options(p);
-  RunOptions ro;
-  ro.ranks = o.ranks;
-  ro.launcher = o.launcher;
-  ro.timeout_s = o.timeout_s;
-  ro.quiet = o.quiet;
+  const RunOptions ro = launch_options(o.launch, o.ranks);
   return run_ranks("epcomm demo", ro,
                    [&](std::unique_ptr<Bootstrap> bs) { return demo_rank_ll(o, std::move(bs)); });
 }

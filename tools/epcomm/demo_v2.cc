@@ -43,9 +43,7 @@ struct DemoV2Options {
   int64_t segment_bytes = 0;  // 0: 64 MiB
   DType dtype = DType::bf16;
   uint64_t seed = 1;
-  Launcher launcher = Launcher::fork;
-  std::optional<double> timeout_s;
-  bool quiet = false;
+  LaunchFlags launch;
   MoeShape shape() const { return {hidden, intermediate, experts + 1, topk}; }  // + the shared expert
 };
 
@@ -87,9 +85,9 @@ int demo_rank_v2(const DemoV2Options& o, std::unique_ptr<Bootstrap> bootstrap) {
   auto group = Group::create(std::move(bootstrap));
   const int r = group->rank(), W = o.ranks, Sr = o.shared_ranks;
   Bootstrap& bs = group->bootstrap();
-  Progress progress("epcomm demo", r == 0 && !o.quiet);
+  Progress progress("epcomm demo", r == 0 && !o.launch.quiet);
   moe::GroupContextOptions co;
-  co.timeout_s = o.timeout_s;
+  co.timeout_s = o.launch.timeout_s;
   co.segment_bytes = o.segment_bytes;
   moe::init_group_context(*group, co);
   const int64_t T = o.tokens, H = o.hidden;
@@ -244,9 +242,7 @@ int run_demo_v2(int argc, char** argv) {
   p.add("dtype", "bf16|f16", "bf16", "token dtype");
   p.add("seed", "S", "1", "random seed");
   add_v2_segment_flag(p, "64M");
-  p.add("launcher", "fork|threads", "fork", "ranks as forked processes or threads");
-  p.add("timeout", "SECONDS", "EPCOMM_TIMEOUT_S or 100", "deadline of every wait");
-  p.add_switch("quiet", "no progress lines on stderr");
+  add_launch_flags(p);
   p.set_epilog(kEpilog);
   if (!p.parse(argc, argv)) {
     std::fputs(p.help().c_str(), stdout);
@@ -264,9 +260,7 @@ int run_demo_v2(int argc, char** argv) {
   o.segment_bytes = p.given("num-nvl-bytes") ? p.bytes("num-nvl-bytes") : 0;
   o.dtype = p.choice("dtype", {"bf16", "f16"}) == "bf16" ? DType::bf16 : DType::f16;
   o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
-  o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
-  if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
-  o.quiet = p.on("quiet");
+  o.launch = read_launch_flags(p);
   if (o.shared_ranks >= o.ranks)
     throw UsageError(bad_value("shared-expert-ranks", "< ranks", std::to_string(o.shared_ranks)));
   if (o.experts % (o.ranks - o.shared_ranks) != 0)
@@ -274,11 +268,7 @@ int run_demo_v2(int argc, char** argv) {
         "experts", "a multiple of ranks - shared-expert-ranks = " + std::to_string(o.ranks - o.shared_ranks),
         std::to_string(o.experts)));
   if (o.topk > o.experts) throw UsageError(bad_value("topk", "<= experts", std::to_string(o.topk)));
-  RunOptions ro;
-  ro.ranks = o.ranks;
-  ro.launcher = o.launcher;
-  ro.timeout_s = o.timeout_s;
-  ro.quiet = o.quiet;
+  const RunOptions ro = launch_options(o.launch, o.ranks);
   return run_ranks("epcomm demo", ro,
                    [&](std::unique_ptr<Bootstrap> bs) { return demo_rank_v2(o, std::move(bs)); });
 }

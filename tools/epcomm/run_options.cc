@@ -69,9 +69,30 @@ void add_run_flags(FlagParser& p, const RunDefaults& d) {
       "node partition: P > 0 makes nodes of P consecutive ranks, which talk over UCX only (virtual nodes on "
       "one host; set UCX_TLS=tcp to force TCP); 0 = EPCOMM_RANKS_PER_NODE, else one node per host");
   p.add("num-rdma-bytes", "B", "0", "internode staging memory per rank (one lane per node); 0 = 64 MiB");
+  add_launch_flags(p);
+}
+
+void add_launch_flags(FlagParser& p) {
   p.add("launcher", "fork|threads", "fork", "ranks as forked processes (real shared memory) or threads");
   p.add("timeout", "SECONDS", "", "deadline of every wait on a peer (default: EPCOMM_TIMEOUT_S, else 100)");
   p.add_switch("quiet", "no progress lines on stderr");
+}
+
+LaunchFlags read_launch_flags(const FlagParser& p) {
+  LaunchFlags l;
+  l.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
+  if (p.given("timeout")) l.timeout_s = p.seconds("timeout");
+  l.quiet = p.on("quiet");
+  return l;
+}
+
+RunOptions launch_options(const LaunchFlags& launch, int ranks) {
+  RunOptions o;
+  o.ranks = ranks;
+  o.launcher = launch.launcher;
+  o.timeout_s = launch.timeout_s;
+  o.quiet = launch.quiet;
+  return o;
 }
 
 RunOptions read_run_flags(const FlagParser& p, const RunFlagRules& rules) {
@@ -101,9 +122,10 @@ RunOptions read_run_flags(const FlagParser& p, const RunFlagRules& rules) {
   if (o.ranks_per_node > 0 && o.ranks % o.ranks_per_node != 0)
     throw UsageError(bad_value("ranks-per-node", "a divisor of --ranks (" + std::to_string(o.ranks) + ")",
                                std::to_string(o.ranks_per_node)));
-  o.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
-  if (p.given("timeout")) o.timeout_s = p.seconds("timeout");
-  o.quiet = p.on("quiet");
+  const LaunchFlags launch = read_launch_flags(p);
+  o.launcher = launch.launcher;
+  o.timeout_s = launch.timeout_s;
+  o.quiet = launch.quiet;
 
   if (o.quant) {
     const char* name = quant_mode_name(*o.quant);

@@ -18,6 +18,14 @@ namespace epcomm::cli {
 // MPI process started by mpirun.
 enum class Launcher { fork, threads, mpi };
 
+// How a command's ranks start and wait (--launcher, --timeout, --quiet: every command that starts ranks has
+// them).
+struct LaunchFlags {
+  Launcher launcher = Launcher::fork;
+  std::optional<double> timeout_s;  // none: EPCOMM_TIMEOUT_S, else 100
+  bool quiet = false;
+};
+
 // Validated values of the shared flags. Invariants: experts % ranks == 0, 1 <= topk <= experts.
 struct RunOptions {
   int ranks = 4;
@@ -63,6 +71,12 @@ struct RunFlagRules {
 };
 
 void add_run_flags(FlagParser& parser, const RunDefaults& defaults);
+// --launcher, --timeout and --quiet alone (add_run_flags adds them too), for the commands with flags of
+// their own (--api distribute-v2, low-latency).
+void add_launch_flags(FlagParser& parser);
+LaunchFlags read_launch_flags(const FlagParser& parser);
+// The RunOptions that run_ranks needs to start `ranks` ranks as `launch` says.
+RunOptions launch_options(const LaunchFlags& launch, int ranks);
 // Reads and cross-checks the shared flags; checks the quant mode against the library's quantizers (so
 // "not supported yet" is reported before any rank starts). Throws UsageError.
 RunOptions read_run_flags(const FlagParser& parser, const RunFlagRules& rules = {});
