@@ -50,7 +50,9 @@ struct BufferOptions {
   // (expert_major; num_tokens x ranks reached in rank_major) + num_tokens x hidden x elem. 0 = none. Local.
   // Once every rank has mapped the reserves, each rank also passes once over every reserve it may write
   // rows into (streaming stores; env EPCOMM_ARENA_SETTLE=0 skips it): on some virtual machines the first
-  // pass of stores through a mapping of shared pages is 30-60x slower than the next.
+  // pass of stores through a mapping of shared pages is 30-60x slower than the next. With low_latency_mode
+  // the reserve is at least num_rdma_bytes (one node): the size hint of get_low_latency_rdma_size_hint holds
+  // two calls' outputs, so the first low-latency call is as fast as the next.
   int64_t num_output_reserve_bytes = 0;
   // Address space of this rank's output arena (one node): a shared-memory range, mapped by every peer, that
   // the outputs are carved from (and handed to the allocator through Allocator::adopt), so that a dispatch

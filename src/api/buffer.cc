@@ -83,17 +83,21 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   req.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
   req.combine_input_bytes = options.num_combine_input_bytes;
   req.dispatch_input_bytes = options.num_dispatch_input_bytes;
-  // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers).
+  // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers). In
+  // low-latency mode the reserve is at least num_rdma_bytes, which get_low_latency_rdma_size_hint sizes for
+  // two calls' outputs: the first call's rows land on pages that exist, like every later call's.
+  const int64_t reserve = options.low_latency_mode
+                              ? std::max(options.num_output_reserve_bytes, options.num_rdma_bytes)
+                              : options.num_output_reserve_bytes;
   req.arena = {arena_bytes_for(options.num_output_arena_bytes),
-               static_cast<size_t>(options.num_output_reserve_bytes)};
+               static_cast<size_t>(std::max<int64_t>(reserve, 0))};
   req.agree = {{"num_combine_input_bytes", options.num_combine_input_bytes},
                {"num_dispatch_input_bytes", options.num_dispatch_input_bytes},
                {"low_latency_mode", options.low_latency_mode}};
   req.agree_text = {{"flavor", options.flavor}};
   b.open(*group, req);
   if (auto a = b.transport->output_arena()) b.allocator = std::make_shared<ArenaAllocator>(a, b.allocator);
-  if (options.num_output_reserve_bytes > 0 && !b.transport->output_arena())
-    b.allocator->reserve(static_cast<size_t>(options.num_output_reserve_bytes));
+  if (reserve > 0 && !b.transport->output_arena()) b.allocator->reserve(static_cast<size_t>(reserve));
   b.start_comm_thread();
   EPCOMM_LOG(info, b.rank, "Buffer: ", b.describe());
 }
