@@ -308,7 +308,16 @@ const Handle::Impl& low_latency_handle(const Buffer::Impl& b, const std::shared_
 }
 
 // x [L, R * T_max, H] bf16, topk_idx equal to the dispatch's, topk_weights [T, K] f32, out [T, H] bf16.
-void check_combine_args(const Buffer::Impl& b, const LowLatencyCombineArgs& a, const Handle::Impl& hd) {
+// Whether slot i of the dispatch's ids names an expert of a rank masked now (DeepEP's shrink test then passes
+// -1 there: such a pair is absent either way).
+bool holder_masked_now(const Handle::Impl& hd, size_t i, const std::vector<uint8_t>& masked) {
+  const int32_t id = hd.topk_ids[i];
+  if (id < 0) return false;
+  const int v = id / hd.num_local;
+  return masked[hd.live_ranks.empty() ? v : hd.live_ranks[v]] != 0;
+}
+
+void check_combine_args(Buffer::Impl& b, const LowLatencyCombineArgs& a, const Handle::Impl& hd) {
   const int L = hd.num_local;
   const int64_t T = hd.num_tokens;
   const int K = hd.num_topk;
@@ -329,8 +338,9 @@ void check_combine_args(const Buffer::Impl& b, const LowLatencyCombineArgs& a, c
                               ids.data());
   if (!hd.expert_map.empty())  // the dispatch ran among the unmasked ranks (numbered within them)
     for (int32_t& id : ids) id = id >= 0 ? hd.expert_map[id] : id;
+  const std::vector<uint8_t> masked = ll::mask_state(b).snapshot();
   for (size_t i = 0; i < ids.size(); ++i)
-    EPCOMM_CHECK(ids[i] == hd.topk_ids[i], "argument: topk_idx[", i / K, ", ", i % K, "] = ", ids[i],
+    EPCOMM_CHECK(ids[i] == hd.topk_ids[i] || (ids[i] < 0 && holder_masked_now(hd, i, masked)), "argument: topk_idx[", i / K, ", ", i % K, "] = ", ids[i],
                  " differs from the dispatch's ", hd.topk_ids[i], " (combine takes the dispatch's topk_idx)");
   check_tensor(a.topk_weights, "topk_weights", {T, K}, {DType::f32}, "[num_tokens, num_topk]");
   if (a.out) check_tensor(*a.out, "out", {T, a.x.size(2)}, {DType::bf16}, "[num_tokens, hidden]");
@@ -407,7 +417,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
         a.out ? *a.out : b.allocator->allocate(DType::bf16, {in->handle->num_tokens, in->hidden});
   }
   std::shared_ptr<detail::EventState> st;
-  if (!uses_masks(b))
+  // A handle of a dispatch among fewer ranks (a mask since cleaned) combines among the ranks live now.
+  if (!uses_masks(b) && (verr || in->handle->live_ranks.empty()))
     st = launch_combine(b, s, engine::OpKind::low_latency_combine, std::nullopt, verr, a.async_finish, in, out);
   else
     st = launch_masked_combine(b, s, verr, a.async_finish, in, out);

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include "multirank/driver.h"
@@ -258,4 +260,38 @@ MR_CASE("low_latency_masks", {}) {
   check_rows(ctx, all, d3, sh, false);
   check_combined(buf.low_latency_combine(combine_args(buf, d3, mine, sh, ctx.rank, R)).combined_x, mine, sh,
                  "after clean");
+}
+
+// Shrink: the last rank never calls; the survivors mask it in the dispatch's agreement round (after the
+// deadline), all report the same mask, and dispatch and combine complete without its experts.
+MR_CASE("low_latency_shrink", {false, 3}) {
+  const LlTestShape sh;
+  const int R = ctx.size, E = R * sh.experts_per_rank, L = sh.experts_per_rank;
+  const double timeout = 1.0;
+  Buffer buf(ctx.group, [&] {
+    BufferOptions o = test_options(8 << 20, timeout);
+    o.low_latency_mode = true;
+    return o;
+  }());
+  buf.set_low_latency_shrink(true);
+  const int stopped = R - 1;
+  if (ctx.rank == stopped) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(timeout * 3000) + 500));
+    return;
+  }
+  std::vector<LlRankInputs> all;
+  for (int s = 0; s < R; ++s) all.push_back(inputs_of(5, s, E, sh));
+  LlRankInputs& mine = all[ctx.rank];
+  const std::vector<LlRankInputs> live = without(all, {stopped}, L);
+  for (int round = 0; round < 2; ++round) {
+    const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
+    std::vector<int32_t> want(R, 0);
+    want[stopped] = 1;
+    REQUIRE(buf.low_latency_query_mask_buffer() == want, "round ", round, ": the stopped rank is masked");
+    check_rows(ctx, live, d, sh, false);
+    LlRankInputs ref_in = mine;
+    ref_in.ids = live[ctx.rank].ids;
+    check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, R)).combined_x, ref_in, sh,
+                   "shrink");
+  }
 }
