@@ -292,13 +292,13 @@ void bind_buffer(py::module_& m) {
           "low_latency_update_mask_buffer",
           [](PyBuffer& b, int rank, bool mask) { b.get().low_latency_update_mask_buffer(rank, mask); },
           py::arg("rank"), py::arg("mask"))
-      .def("low_latency_query_mask_buffer", [](PyBuffer& b) { return b.get().low_latency_query_mask_buffer(); })
-      .def(
-          "low_latency_clean_mask_buffer",
-          [](PyBuffer& b) {
-            py::gil_scoped_release nogil;
-            b.get().low_latency_clean_mask_buffer();
-          })
+      .def("low_latency_query_mask_buffer",
+           [](PyBuffer& b) { return b.get().low_latency_query_mask_buffer(); })
+      .def("low_latency_clean_mask_buffer",
+           [](PyBuffer& b) {
+             py::gil_scoped_release nogil;
+             b.get().low_latency_clean_mask_buffer();
+           })
       .def(
           "set_low_latency_shrink", [](PyBuffer& b, bool on) { b.get().set_low_latency_shrink(on); },
           py::arg("enable"))

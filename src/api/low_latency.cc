@@ -264,22 +264,22 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   }
   const bool masks = uses_masks(b);
   const std::string msg = verr ? std::string(verr->what()) : std::string();
-  auto st = launch(b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
-                   !a.async_finish || verr.has_value(),
-                   [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
-                     if (!masks) {
-                       engine::run_dispatch(ctx, *in, *out, on_shapes);
-                     } else {
-                       const ll::LiveSet live = ll::enter_call(b, ctx);
-                       ll::MaskView view(*b.transport, live.live);
-                       engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_dispatch,
-                                             b.timeout_s);
-                       if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
-                       run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
-                     }
-                     finish_dispatch(*out, *o);
-                     return static_cast<int64_t>(out->recv_x.data.nbytes());
-                   });
+  auto st = launch(
+      b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
+      !a.async_finish || verr.has_value(),
+      [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+        if (!masks) {
+          engine::run_dispatch(ctx, *in, *out, on_shapes);
+        } else {
+          const ll::LiveSet live = ll::enter_call(b, ctx);
+          ll::MaskView view(*b.transport, live.live);
+          engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_dispatch, b.timeout_s);
+          if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
+          run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
+        }
+        finish_dispatch(*out, *o);
+        return static_cast<int64_t>(out->recv_x.data.nbytes());
+      });
   if (verr) {
     st->wait();
     throw *verr;
@@ -340,8 +340,9 @@ void check_combine_args(Buffer::Impl& b, const LowLatencyCombineArgs& a, const H
     for (int32_t& id : ids) id = id >= 0 ? hd.expert_map[id] : id;
   const std::vector<uint8_t> masked = ll::mask_state(b).snapshot();
   for (size_t i = 0; i < ids.size(); ++i)
-    EPCOMM_CHECK(ids[i] == hd.topk_ids[i] || (ids[i] < 0 && holder_masked_now(hd, i, masked)), "argument: topk_idx[", i / K, ", ", i % K, "] = ", ids[i],
-                 " differs from the dispatch's ", hd.topk_ids[i], " (combine takes the dispatch's topk_idx)");
+    EPCOMM_CHECK(ids[i] == hd.topk_ids[i] || (ids[i] < 0 && holder_masked_now(hd, i, masked)),
+                 "argument: topk_idx[", i / K, ", ", i % K, "] = ", ids[i], " differs from the dispatch's ",
+                 hd.topk_ids[i], " (combine takes the dispatch's topk_idx)");
   check_tensor(a.topk_weights, "topk_weights", {T, K}, {DType::f32}, "[num_tokens, num_topk]");
   if (a.out) check_tensor(*a.out, "out", {T, a.x.size(2)}, {DType::bf16}, "[num_tokens, hidden]");
   if (a.combine_wait_recv_cost_stats)
@@ -419,7 +420,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   std::shared_ptr<detail::EventState> st;
   // A handle of a dispatch among fewer ranks (a mask since cleaned) combines among the ranks live now.
   if (!uses_masks(b) && (verr || in->handle->live_ranks.empty()))
-    st = launch_combine(b, s, engine::OpKind::low_latency_combine, std::nullopt, verr, a.async_finish, in, out);
+    st = launch_combine(b, s, engine::OpKind::low_latency_combine, std::nullopt, verr, a.async_finish, in,
+                        out);
   else
     st = launch_masked_combine(b, s, verr, a.async_finish, in, out);
   LowLatencyCombineResult r;
@@ -529,8 +531,8 @@ void Buffer::clean_low_latency_buffer(int64_t t_max, int64_t hidden, int num_exp
   EPCOMM_CHECK(b.options.low_latency_mode, pre,
                "argument: low_latency_mode: this Buffer was created with low_latency_mode = false");
   EPCOMM_CHECK(t_max >= 1 && hidden >= 1, pre,
-               "argument: expected num_max_dispatch_tokens_per_rank >= 1 and hidden >= 1, got ", t_max, " and ",
-               hidden);
+               "argument: expected num_max_dispatch_tokens_per_rank >= 1 and hidden >= 1, got ", t_max,
+               " and ", hidden);
   EPCOMM_CHECK(num_experts >= 1 && num_experts % b.num_ranks == 0, pre,
                "argument: num_experts: expected a positive multiple of the ", b.num_ranks, " ranks, got ",
                num_experts);

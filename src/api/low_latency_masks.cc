@@ -55,8 +55,8 @@ using Clock = std::chrono::steady_clock;
 
 // Waits until ready(r) for every r with want[r], or until the deadline; returns the ranks that were ready.
 template <typename Ready>
-std::vector<uint8_t> wait_for(const engine::OpContext& ctx, const std::vector<uint8_t>& want, double timeout_s,
-                              Ready&& ready) {
+std::vector<uint8_t> wait_for(const engine::OpContext& ctx, const std::vector<uint8_t>& want,
+                              double timeout_s, Ready&& ready) {
   const Transport& tp = ctx.transport();
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
@@ -249,7 +249,8 @@ void combine_among_survivors(Buffer::Impl& b, engine::OpContext& ctx, const Live
       std::memcpy(xs.data_as<uint8_t>() + j * block * row_bytes, in.x + j * block * row_bytes,
                   static_cast<size_t>(hd.cnt[j]) * row_bytes);
   const int64_t off = arena_offset(b, xs);
-  EPCOMM_CHECK(off >= 0, ctx.prefix(), "a combine among fewer ranks than its dispatch needs the output arena");
+  EPCOMM_CHECK(off >= 0, ctx.prefix(),
+               "a combine among fewer ranks than its dispatch needs the output arena");
   engine::Control* me = ctx.control(ctx.rank());
   me->ll_x_offset = off;
   signal_live(ctx, live, me->ll_x_ready);

@@ -50,7 +50,9 @@ class MaskView final : public Transport {
   }
   void notify(int r) const override { base_.notify(live_[r]); }
   bool oversubscribed() const override { return base_.oversubscribed(); }
-  process::State peer_process(int r, int32_t* pid) const override { return base_.peer_process(live_[r], pid); }
+  process::State peer_process(int r, int32_t* pid) const override {
+    return base_.peer_process(live_[r], pid);
+  }
   std::string describe() const override { return base_.describe(); }
   std::shared_ptr<OutputArena> output_arena() const override { return base_.output_arena(); }
   uint8_t* arena(int r) const override { return base_.arena(live_[r]); }

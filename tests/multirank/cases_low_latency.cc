@@ -3,9 +3,9 @@
 // seed, derives the rows each local expert must receive (in source rank, token order), their FP8 codes and
 // scales (support/quant_reference.h), and the canonical f32 weighted sum combine must return, bit for bit.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <numeric>
-#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -207,7 +207,8 @@ LowLatencyCombineArgs combine_args(Buffer& buf, const LowLatencyDispatchResult& 
 
 void check_combined(const Tensor& out, const LlRankInputs& ref_in, const LlTestShape& sh, const char* what) {
   const std::vector<uint16_t> ref = combine_ref(ref_in, sh);
-  REQUIRE(out.nbytes() == 2 * ref.size() && (ref.empty() || std::memcmp(out.data(), ref.data(), out.nbytes()) == 0),
+  REQUIRE(out.nbytes() == 2 * ref.size() &&
+              (ref.empty() || std::memcmp(out.data(), ref.data(), out.nbytes()) == 0),
           what, ": combine differs from the canonical f32 sum without the masked ranks' experts");
 }
 
@@ -232,7 +233,8 @@ MR_CASE("low_latency_masks", {}) {
   std::vector<LlRankInputs> live = without(all, {last}, L);
   const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
   if (ctx.rank == last) {
-    for (int j = 0; j < L; ++j) REQUIRE(d.recv_count.data_as<int32_t>()[j] == 0, "a masked rank receives nothing");
+    for (int j = 0; j < L; ++j)
+      REQUIRE(d.recv_count.data_as<int32_t>()[j] == 0, "a masked rank receives nothing");
   } else {
     check_rows(ctx, live, d, sh, false);
   }
@@ -291,7 +293,7 @@ MR_CASE("low_latency_shrink", {false, 3}) {
     check_rows(ctx, live, d, sh, false);
     LlRankInputs ref_in = mine;
     ref_in.ids = live[ctx.rank].ids;
-    check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, R)).combined_x, ref_in, sh,
-                   "shrink");
+    check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, R)).combined_x, ref_in,
+                   sh, "shrink");
   }
 }
