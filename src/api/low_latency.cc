@@ -334,7 +334,7 @@ void check_combine_args(Buffer::Impl& b, const LowLatencyCombineArgs& a, const H
       a.topk_idx.defined() ? detail::cat(dtype_name(a.topk_idx.dtype()), " ", shape_str(a.topk_idx.shape()))
                            : "None");
   std::vector<int32_t> ids(static_cast<size_t>(T) * K);
-  routing::normalize_topk_ids(a.topk_idx.data(), a.topk_idx.dtype() == DType::i64, T, K, hd.num_experts,
+  routing::normalize_topk_ids(a.topk_idx.data(), a.topk_idx.dtype() == DType::i64, T, K, b.num_ranks * L,
                               ids.data());
   if (!hd.expert_map.empty())  // the dispatch ran among the unmasked ranks (numbered within them)
     for (int32_t& id : ids) id = id >= 0 ? hd.expert_map[id] : id;

@@ -77,7 +77,7 @@ def test_masks_by_hand_four_ranks():
 def body_shrink(rank, R, seed, t_max, H, E, K, stopped):
     """Rank `stopped` never calls; the others mask it during the dispatch, agree, and complete."""
     all_inputs = [inputs(seed, s, 4, H, E, K) for s in range(R)]
-    buf = epcomm.Buffer(None, low_latency_mode=True, flavor="deepep", enable_shrink=True, timeout_s=1.5)
+    buf = epcomm.Buffer(None, low_latency_mode=True, flavor="deepep", enable_shrink=True, timeout_s=1.0)
     if rank == stopped:
         return
     round_trip(buf, rank, R, all_inputs, {stopped}, t_max, H, E, K, seed)
