@@ -130,48 +130,6 @@ LowLatencyDispatchArgs dispatch_args(LlRankInputs& in, int E, const LlTestShape&
   return a;
 }
 
-}  // namespace
-
-MR_CASE("low_latency_round_trip", {}) {
-  const LlTestShape sh;
-  const int E = ctx.size * sh.experts_per_rank, L = sh.experts_per_rank;
-  BufferOptions o = test_options();
-  o.low_latency_mode = true;
-  o.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(sh.t_max, sh.hidden, ctx.size, E);
-  Buffer buf(ctx.group, o);
-  for (uint64_t seed : {1, 2}) {
-    std::vector<LlRankInputs> all;
-    for (int s = 0; s < ctx.size; ++s) all.push_back(inputs_of(seed, s, E, sh));
-    LlRankInputs& mine = all[ctx.rank];
-    check_rows(ctx, all, buf.low_latency_dispatch(dispatch_args(mine, E, sh, true)), sh, true);
-    const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
-    check_rows(ctx, all, d, sh, false);
-    // The experts write into the zero-copy buffer: y = row * (1 + e / 8) for the valid rows, NaN elsewhere.
-    Tensor y = buf.low_latency_combine_buffer(*d.handle);
-    const int64_t RT = ctx.size * sh.t_max;
-    std::fill_n(y.data_as<uint16_t>(), y.numel(), uint16_t{0x7FC0});
-    for (int j = 0; j < L; ++j)
-      for (int64_t i = 0; i < d.recv_count.data_as<int32_t>()[j]; ++i)
-        for (int64_t h = 0; h < sh.hidden; ++h) {
-          const int64_t at = (j * RT + i) * sh.hidden + h;
-          const float v = static_cast<float>(dec_bf16(d.recv_x.data_as<uint16_t>()[at]));
-          y.data_as<uint16_t>()[at] = enc_bf16(v * (1.0f + (ctx.rank * L + j) / 8.0f));
-        }
-    LowLatencyCombineArgs c;
-    c.x = y;
-    c.handle = d.handle;
-    c.topk_idx = Tensor::wrap(mine.ids.data(), DType::i64, {mine.T, sh.topk});
-    c.topk_weights = Tensor::wrap(mine.w.data(), DType::f32, {mine.T, sh.topk});
-    const Tensor out = buf.low_latency_combine(c).combined_x;
-    const std::vector<uint16_t> ref = combine_ref(mine, sh);
-    REQUIRE(out.nbytes() == 2 * ref.size() &&
-                (ref.empty() || std::memcmp(out.data(), ref.data(), out.nbytes()) == 0),
-            "combine differs from the canonical f32 sum");
-  }
-}
-
-namespace {
-
 // The inputs as the live ranks see them (docs/low-latency.md, "Masks and shrink"): a masked source sends
 // nothing, a pair to a masked rank's expert is absent.
 std::vector<LlRankInputs> without(std::vector<LlRankInputs> all, const std::vector<int>& masked, int L) {
@@ -209,10 +167,30 @@ void check_combined(const Tensor& out, const LlRankInputs& ref_in, const LlTestS
   const std::vector<uint16_t> ref = combine_ref(ref_in, sh);
   REQUIRE(out.nbytes() == 2 * ref.size() &&
               (ref.empty() || std::memcmp(out.data(), ref.data(), out.nbytes()) == 0),
-          what, ": combine differs from the canonical f32 sum without the masked ranks' experts");
+          what, ": combine differs from the canonical f32 sum (without the masked ranks' experts)");
 }
 
 }  // namespace
+
+MR_CASE("low_latency_round_trip", {}) {
+  const LlTestShape sh;
+  const int E = ctx.size * sh.experts_per_rank;
+  BufferOptions o = test_options();
+  o.low_latency_mode = true;
+  o.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(sh.t_max, sh.hidden, ctx.size, E);
+  Buffer buf(ctx.group, o);
+  for (uint64_t seed : {1, 2}) {
+    std::vector<LlRankInputs> all;
+    for (int s = 0; s < ctx.size; ++s) all.push_back(inputs_of(seed, s, E, sh));
+    LlRankInputs& mine = all[ctx.rank];
+    check_rows(ctx, all, buf.low_latency_dispatch(dispatch_args(mine, E, sh, true)), sh, true);
+    const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
+    check_rows(ctx, all, d, sh, false);
+    // The experts write into the zero-copy buffer: y = row * (1 + e / 8) for the valid rows, NaN elsewhere.
+    check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, ctx.size)).combined_x,
+                   mine, sh, "no mask");
+  }
+}
 
 // Masks set by hand on every rank: the last rank is masked for a dispatch and its combine; then rank 0 is
 // masked between a dispatch and its combine (the survivors combine without its experts); clean restores.
