@@ -58,6 +58,17 @@ def body_masks_by_hand(rank, R, seed, t_max, H, E, K):
     buf.low_latency_update_mask_buffer(2, True)
     assert mask_of(buf, R) == {2}
     round_trip(buf, rank, R, all_inputs, {2}, t_max, H, E, K, seed)
+    # An argument error on one live rank fails the call on the live ranks only; the Buffer stays usable.
+    x, idx = all_inputs[rank]
+    if rank == 0:
+        with pytest.raises(epcomm.InvalidUsageError, match="num_max_dispatch_tokens_per_rank"):
+            buf.low_latency_dispatch(torch.cat([x] * 2), torch.cat([idx] * 2), t_max, E, use_fp8=False)
+    elif rank == 2:  # masked itself: runs alone
+        buf.low_latency_dispatch(x, idx, t_max, E, use_fp8=False)
+    else:
+        with pytest.raises(epcomm.AbortedError, match="rank 0"):
+            buf.low_latency_dispatch(x, idx, t_max, E, use_fp8=False)
+    round_trip(buf, rank, R, all_inputs, {2}, t_max, H, E, K, seed)
     buf.low_latency_update_mask_buffer(0, True)
     round_trip(buf, rank, R, all_inputs, {0, 2}, t_max, H, E, K, seed + 1)
     assert mask_of(buf, R) == {0, 2}
