@@ -33,7 +33,7 @@ struct BufferOptions {
   int64_t num_nvl_bytes = 0;      // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
   int64_t num_rdma_bytes = 0;     // internode staging (unused on one node); equal on all ranks.
   bool low_latency_mode = false;  // enables the low-latency calls (docs/low-latency.md)
-  bool enable_shrink = false;     // true is not supported
+  bool enable_shrink = false;     // true: rejected by the constructor; Buffer::set_low_latency_shrink
   ReceiveOrder receive_order = ReceiveOrder::expert_major;
   int ranks_per_node = 0;                // 0 = one node per host
   std::optional<double> timeout_s;       // default: env EPCOMM_TIMEOUT_S, else 100
@@ -200,7 +200,7 @@ class Buffer {
   std::vector<int32_t> low_latency_query_mask_buffer();
   // Collective among the unmasked ranks: clears the mask (every rank takes part in the next calls again).
   void low_latency_clean_mask_buffer();
-  // Shrink (BufferOptions::enable_shrink, or this switch): a peer that misses the deadline of a
+  // Shrink (DeepEP's enable_shrink): a peer that misses the deadline of a
   // low-latency call is masked on every survivor instead of failing the call. Local; set it on every rank.
   void set_low_latency_shrink(bool enable);
   // DeepEP's clean_low_latency_buffer: validates its arguments; with shrink on it is collective (a peer
