@@ -33,7 +33,7 @@ struct BufferOptions {
   int64_t num_nvl_bytes = 0;      // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
   int64_t num_rdma_bytes = 0;     // internode staging (unused on one node); equal on all ranks.
   bool low_latency_mode = false;  // enables the low-latency calls (docs/low-latency.md)
-  bool enable_shrink = false;     // true is not supported
+  bool enable_shrink = false;     // true: rejected by the constructor; Buffer::set_low_latency_shrink
   ReceiveOrder receive_order = ReceiveOrder::expert_major;
   int ranks_per_node = 0;                // 0 = one node per host
   std::optional<double> timeout_s;       // default: env EPCOMM_TIMEOUT_S, else 100
@@ -195,6 +195,19 @@ class Buffer {
   // expert outputs there and pass it as LowLatencyCombineArgs::x, and combine reads every row straight from
   // it with no copy. Local.
   Tensor low_latency_combine_buffer(const Handle& handle);
+  // Rank masks (docs/low-latency.md, "Masks and shrink"), DeepEP's names. A masked rank is skipped by the
+  // low-latency calls: nothing is sent to it or awaited from it, its experts' pairs are absent. update and
+  // query are local (every rank sets the same mask); query returns [R] with 1 for masked ranks.
+  void low_latency_update_mask_buffer(int rank, bool mask = false);
+  std::vector<int32_t> low_latency_query_mask_buffer();
+  // Collective among the unmasked ranks: clears the mask (every rank takes part in the next calls again).
+  void low_latency_clean_mask_buffer();
+  // Shrink (DeepEP's enable_shrink): a peer that misses the deadline of a
+  // low-latency call is masked on every survivor instead of failing the call. Local; set it on every rank.
+  void set_low_latency_shrink(bool enable);
+  // DeepEP's clean_low_latency_buffer: validates its arguments; with shrink on it is collective (a peer
+  // that misses it is masked), otherwise local.
+  void clean_low_latency_buffer(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int num_experts);
   // DeepEP's get_low_latency_rdma_size_hint: a num_rdma_bytes with which every low-latency call with these
   // parameters succeeds, on one node or across nodes (any node partition), in every format. InvalidUsage
   // for parameters no call could have (t_max, hidden, num_ranks < 1; num_experts not a multiple of ranks).

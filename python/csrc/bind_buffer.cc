@@ -288,6 +288,27 @@ void bind_buffer(py::module_& m) {
             return to_torch(b.get().low_latency_combine_buffer(*h.handle));
           },
           py::arg("handle"))
+      .def(
+          "low_latency_update_mask_buffer",
+          [](PyBuffer& b, int rank, bool mask) { b.get().low_latency_update_mask_buffer(rank, mask); },
+          py::arg("rank"), py::arg("mask"))
+      .def("low_latency_query_mask_buffer",
+           [](PyBuffer& b) { return b.get().low_latency_query_mask_buffer(); })
+      .def("low_latency_clean_mask_buffer",
+           [](PyBuffer& b) {
+             py::gil_scoped_release nogil;
+             b.get().low_latency_clean_mask_buffer();
+           })
+      .def(
+          "set_low_latency_shrink", [](PyBuffer& b, bool on) { b.get().set_low_latency_shrink(on); },
+          py::arg("enable"))
+      .def(
+          "clean_low_latency_buffer",
+          [](PyBuffer& b, int64_t t_max, int64_t hidden, int num_experts) {
+            py::gil_scoped_release nogil;
+            b.get().clean_low_latency_buffer(t_max, hidden, num_experts);
+          },
+          py::arg("t_max"), py::arg("hidden"), py::arg("num_experts"))
       .def_property_readonly("num_dispatch_input_bytes",
                              [](PyBuffer& b) { return b.get().num_dispatch_input_bytes(); })
       .def(

@@ -138,9 +138,13 @@ class Buffer:
         else:
             g = as_group(group)
             self.group = g.process_group
+            # Shrink is switched on after construction (the C++ options still reject enable_shrink).
             self._impl = _C.Buffer(g._c, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                   bool(enable_shrink), receive_order, ranks_per_node, timeout_s, *sizes,
+                                   False, receive_order, ranks_per_node, timeout_s, *sizes,
                                    flavor=self.flavor)
+            if enable_shrink:
+                self._impl.set_low_latency_shrink(True)
+        self.enable_shrink = bool(enable_shrink)
         _live_buffers.add(self)
 
     # ---- accessors ---------------------------------------------------------------------------------------
@@ -517,23 +521,43 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Accepted for DeepEP code: epcomm needs no cleaning between normal and low-latency calls. Validates
-        its arguments and returns."""
+        its arguments and returns; with ``enable_shrink=True`` it is collective, and a peer that misses its
+        deadline is masked (docs/low-latency.md, "Masks and shrink")."""
         self._ll("clean_low_latency_buffer")
         low_latency.check_ll_shape(num_max_dispatch_tokens_per_rank, hidden, self.num_ranks, num_experts,
                                    f"epcomm[rank {self.rank}] clean_low_latency_buffer: ")
+        if self.enable_shrink:
+            self._masks("clean_low_latency_buffer").clean_low_latency_buffer(
+                int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts))
 
-    def _no_masks(self, op):
-        raise InvalidUsageError(f"epcomm[rank {self.rank}] {op}: rank masks (enable_shrink) are not supported "
-                                f"by epcomm yet (docs/low-latency.md, \"Not yet\")")
+    def _masks(self, op):
+        if isinstance(self._impl, AllToAllStrategy):
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] {op}: rank masks run on the shared-memory "
+                                    f"strategy; this Buffer uses DEEP_USE_MODE=alltoall")
+        return self._impl
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
-        self._no_masks("low_latency_update_mask_buffer")
+        """Masks (``mask=True``) or unmasks ``rank_to_mask`` on this rank (local; every rank sets the same
+        mask). Low-latency calls skip a masked rank: nothing is sent to it or awaited from it, and its
+        experts' pairs are absent (recv_count 0 for its rows, weight 0 in combine)."""
+        r = int_arg(rank_to_mask, "rank_to_mask", INT32, prefix=f"epcomm[rank {self.rank}] "
+                    "low_latency_update_mask_buffer: ")
+        self._masks("low_latency_update_mask_buffer").low_latency_update_mask_buffer(r, bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status):
-        self._no_masks("low_latency_query_mask_buffer")
+        """Fills ``mask_status`` (``[num_ranks]`` int32) with 1 for masked ranks, 0 for the others."""
+        st = self._masks("low_latency_query_mask_buffer").low_latency_query_mask_buffer()
+        if (not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32
+                or tuple(mask_status.shape) != (self.num_ranks,)):
+            got = (f"{mask_status.dtype} {list(mask_status.shape)}" if isinstance(mask_status, torch.Tensor)
+                   else type(mask_status).__name__)
+            raise InvalidUsageError(f"epcomm[rank {self.rank}] low_latency_query_mask_buffer: argument: "
+                                    f"mask_status: expected a [{self.num_ranks}] torch.int32 tensor, got {got}")
+        mask_status.copy_(torch.tensor(st, dtype=torch.int32))
 
     def low_latency_clean_mask_buffer(self):
-        self._no_masks("low_latency_clean_mask_buffer")
+        """Clears the mask (collective among the unmasked ranks): every rank takes part in the next calls."""
+        self._masks("low_latency_clean_mask_buffer").low_latency_clean_mask_buffer()
 
     def __repr__(self):
         return (f"epcomm.Buffer(rank={self.rank}, num_ranks={self.num_ranks}, flavor={self.flavor!r}, "

@@ -113,7 +113,18 @@ def _ranks_per_node(buffer):
     return p if all(buffer.node_of(r) == r // p for r in range(R)) else 0
 
 
+def _check_no_masks(buffer, op):
+    """The operators this flavor runs on (dispatch_v2 / combine_v2) span every rank of their group: rank
+    masks and shrink are the deepep flavor's (docs/low-latency.md, "Masks and shrink")."""
+    masked = getattr(buffer, "enable_shrink", False) or any(buffer._impl.low_latency_query_mask_buffer())
+    if masked:
+        raise InvalidUsageError(f"{_prefix(buffer, op)}rank masks and enable_shrink=True are not available in "
+                                f"flavor 'ascend' (its operators span every rank); the mask methods work, but "
+                                f"low-latency calls need an empty mask and enable_shrink=False")
+
+
 def _state(buffer, op):
+    _check_no_masks(buffer, op)
     st = getattr(buffer, "_ll_ascend_state", None)
     if st is None or st.closed:
         if getattr(buffer, "_destroyed", False):

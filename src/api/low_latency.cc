@@ -8,6 +8,7 @@
 
 #include "api/buffer_impl.h"
 #include "api/event_state.h"
+#include "api/low_latency_masks.h"
 #include "common/check.h"
 #include "common/env.h"
 #include "engine/internode.h"
@@ -171,13 +172,17 @@ void transpose_scales(const Tensor& rows, Tensor& cols, const std::vector<int64_
 // Counts, layout ranges, scales and statistics, from the finished dispatch (on the communication thread).
 void finish_dispatch(const engine::DispatchOutput& out, LowLatencyOutputs& o) {
   const Handle::Impl& h = *out.handle;
+  const std::vector<int32_t>& live = h.live_ranks;  // rank index -> real rank (empty: the same)
   auto* count = o.result.recv_count.data_as<int32_t>();
   auto* range = o.result.layout_range.data_as<int64_t>();
   const int32_t* src = h.recv_src_rank.data_as<int32_t>();
   for (int j = 0; j < o.L; ++j) {
     count[j] = static_cast<int32_t>(h.cnt[j]);
     std::vector<int64_t> per(o.R, 0);
-    for (int64_t i = 0; i < h.cnt[j]; ++i) ++per[src[j * o.block + i]];
+    for (int64_t i = 0; i < h.cnt[j]; ++i) {
+      const int32_t v = src[j * o.block + i];
+      ++per[live.empty() ? v : live[v]];
+    }
     int64_t begin = 0;
     for (int s = 0; s < o.R; ++s) {
       range[j * o.R + s] = (begin << 32) | per[s];
@@ -189,6 +194,39 @@ void finish_dispatch(const engine::DispatchOutput& out, LowLatencyOutputs& o) {
     auto* acc = o.cumulative_stats->data_as<int32_t>();
     for (int j = 0; j < o.L; ++j) acc[j] += count[j];
   }
+}
+
+// Rank masks or shrink are in use: the call runs among the live ranks (low_latency_masks.h).
+bool uses_masks(Buffer::Impl& b) {
+  ll::MaskState& ms = ll::mask_state(b);
+  {
+    std::lock_guard<std::mutex> lk(ms.m);
+    if (!ms.shrink && std::find(ms.masked.begin(), ms.masked.end(), 1) == ms.masked.end()) return false;
+  }
+  EPCOMM_CHECK(!b.inter, "epcomm[rank ", b.rank,
+               "] low-latency mode: rank masks and enable_shrink work on one node only; this Buffer spans ",
+               b.num_nodes, " nodes");
+  return true;
+}
+
+// This rank's validation failed: the live peers' same call raises Aborted quoting `msg`; the Buffer stays
+// usable (launch keeps it so for an Aborted error before data moved).
+[[noreturn]] void fail_among_live(engine::OpContext& sub, engine::OpKind kind, const std::string& msg) {
+  sub.publish_failed_header(kind, msg);
+  throw Error(ErrorCode::Aborted, msg);
+}
+
+void run_masked_dispatch(Buffer::Impl& b, engine::OpContext& sub, const ll::LiveSet& live,
+                         engine::DispatchInput& in, engine::DispatchOutput& out,
+                         const std::function<void()>& on_shapes) {
+  const int L = in.num_experts / b.num_ranks;
+  std::vector<int32_t> map = ll::expert_map(live, L);
+  std::optional<Tensor> real_stats = in.cost_stats;
+  ll::restrict_dispatch(in, live, map, *b.allocator);
+  out.handle->live_ranks = live.live;
+  out.handle->expert_map = std::move(map);
+  engine::run_dispatch(sub, in, out, on_shapes);
+  if (real_stats) ll::widen_stats(*in.cost_stats, *real_stats, live.live);
 }
 
 }  // namespace
@@ -224,13 +262,24 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     allocate_outputs(b, *in, *out, *o);
     o->cumulative_stats = a.cumulative_local_expert_recv_stats;
   }
-  auto st = launch(b, s, engine::OpKind::low_latency_dispatch, std::nullopt,
-                   verr ? std::string(verr->what()) : std::string(), !a.async_finish || verr.has_value(),
-                   [in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
-                     engine::run_dispatch(ctx, *in, *out, on_shapes);
-                     finish_dispatch(*out, *o);
-                     return static_cast<int64_t>(out->recv_x.data.nbytes());
-                   });
+  const bool masks = uses_masks(b);
+  const std::string msg = verr ? std::string(verr->what()) : std::string();
+  auto st = launch(
+      b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
+      !a.async_finish || verr.has_value(),
+      [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+        if (!masks) {
+          engine::run_dispatch(ctx, *in, *out, on_shapes);
+        } else {
+          const ll::LiveSet live = ll::enter_call(b, ctx);
+          ll::MaskView view(*b.transport, live.live);
+          engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_dispatch, b.timeout_s);
+          if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
+          run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
+        }
+        finish_dispatch(*out, *o);
+        return static_cast<int64_t>(out->recv_x.data.nbytes());
+      });
   if (verr) {
     st->wait();
     throw *verr;
@@ -259,7 +308,16 @@ const Handle::Impl& low_latency_handle(const Buffer::Impl& b, const std::shared_
 }
 
 // x [L, R * T_max, H] bf16, topk_idx equal to the dispatch's, topk_weights [T, K] f32, out [T, H] bf16.
-void check_combine_args(const Buffer::Impl& b, const LowLatencyCombineArgs& a, const Handle::Impl& hd) {
+// Whether slot i of the dispatch's ids names an expert of a rank masked now (DeepEP's shrink test then passes
+// -1 there: such a pair is absent either way).
+bool holder_masked_now(const Handle::Impl& hd, size_t i, const std::vector<uint8_t>& masked) {
+  const int32_t id = hd.topk_ids[i];
+  if (id < 0) return false;
+  const int v = id / hd.num_local;
+  return masked[hd.live_ranks.empty() ? v : hd.live_ranks[v]] != 0;
+}
+
+void check_combine_args(Buffer::Impl& b, const LowLatencyCombineArgs& a, const Handle::Impl& hd) {
   const int L = hd.num_local;
   const int64_t T = hd.num_tokens;
   const int K = hd.num_topk;
@@ -276,16 +334,57 @@ void check_combine_args(const Buffer::Impl& b, const LowLatencyCombineArgs& a, c
       a.topk_idx.defined() ? detail::cat(dtype_name(a.topk_idx.dtype()), " ", shape_str(a.topk_idx.shape()))
                            : "None");
   std::vector<int32_t> ids(static_cast<size_t>(T) * K);
-  routing::normalize_topk_ids(a.topk_idx.data(), a.topk_idx.dtype() == DType::i64, T, K, hd.num_experts,
+  routing::normalize_topk_ids(a.topk_idx.data(), a.topk_idx.dtype() == DType::i64, T, K, b.num_ranks * L,
                               ids.data());
+  if (!hd.expert_map.empty())  // the dispatch ran among the unmasked ranks (numbered within them)
+    for (int32_t& id : ids) id = id >= 0 ? hd.expert_map[id] : id;
+  const std::vector<uint8_t> masked = ll::mask_state(b).snapshot();
   for (size_t i = 0; i < ids.size(); ++i)
-    EPCOMM_CHECK(ids[i] == hd.topk_ids[i], "argument: topk_idx[", i / K, ", ", i % K, "] = ", ids[i],
-                 " differs from the dispatch's ", hd.topk_ids[i], " (combine takes the dispatch's topk_idx)");
+    EPCOMM_CHECK(ids[i] == hd.topk_ids[i] || (ids[i] < 0 && holder_masked_now(hd, i, masked)),
+                 "argument: topk_idx[", i / K, ", ", i % K, "] = ", ids[i], " differs from the dispatch's ",
+                 hd.topk_ids[i], " (combine takes the dispatch's topk_idx)");
   check_tensor(a.topk_weights, "topk_weights", {T, K}, {DType::f32}, "[num_tokens, num_topk]");
   if (a.out) check_tensor(*a.out, "out", {T, a.x.size(2)}, {DType::bf16}, "[num_tokens, hidden]");
   if (a.combine_wait_recv_cost_stats)
     check_tensor(*a.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", {b.num_ranks}, {DType::i64},
                  "[num_ranks]");
+}
+
+// Whether the live ranks of a combine are those of its dispatch (else a rank was masked in between).
+bool same_ranks(const ll::LiveSet& live, const Handle::Impl& hd) {
+  if (hd.live_ranks.empty()) return live.identity();
+  return hd.live_ranks == live.live;
+}
+
+std::shared_ptr<detail::EventState> launch_masked_combine(Buffer::Impl& b, uint64_t s,
+                                                          const std::optional<Error>& verr, bool async_finish,
+                                                          std::shared_ptr<engine::CombineInput> in,
+                                                          std::shared_ptr<engine::CombineOutput> out) {
+  const std::string msg = verr ? std::string(verr->what()) : std::string();
+  auto body = [&b, msg, in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+    const ll::LiveSet live = ll::enter_call(b, ctx);
+    ll::MaskView view(*b.transport, live.live);
+    engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_combine, b.timeout_s);
+    if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_combine, msg);
+    if (!same_ranks(live, *in->handle)) {
+      ll::combine_among_survivors(b, ctx, live, *in, *out, on_shapes);
+      return static_cast<int64_t>(out->combined_x.nbytes());
+    }
+    std::optional<Tensor> real_stats = in->cost_stats;
+    in->cost_stats = ll::narrow_stats(real_stats, live.live.size(), *b.allocator);
+    engine::run_combine(sub, *in, *out, on_shapes);
+    if (real_stats) ll::widen_stats(*in->cost_stats, *real_stats, live.live);
+    return static_cast<int64_t>(out->combined_x.nbytes());
+  };
+  auto st = launch(b, s, engine::OpKind::low_latency_combine, std::nullopt, std::string(),
+                   !async_finish || verr.has_value(), body);
+  if (verr) {
+    st->wait();
+    throw *verr;
+  }
+  if (!async_finish)
+    if (auto e = st->wait()) std::rethrow_exception(e);
+  return st;
 }
 
 }  // namespace
@@ -318,8 +417,13 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     out->combined_x =
         a.out ? *a.out : b.allocator->allocate(DType::bf16, {in->handle->num_tokens, in->hidden});
   }
-  auto st =
-      launch_combine(b, s, engine::OpKind::low_latency_combine, std::nullopt, verr, a.async_finish, in, out);
+  std::shared_ptr<detail::EventState> st;
+  // A handle of a dispatch among fewer ranks (a mask since cleaned) combines among the ranks live now.
+  if (!uses_masks(b) && (verr || in->handle->live_ranks.empty()))
+    st = launch_combine(b, s, engine::OpKind::low_latency_combine, std::nullopt, verr, a.async_finish, in,
+                        out);
+  else
+    st = launch_masked_combine(b, s, verr, a.async_finish, in, out);
   LowLatencyCombineResult r;
   r.combined_x = out->combined_x;
   r.event = EventOverlap(st);
@@ -360,6 +464,85 @@ Tensor Buffer::low_latency_combine_buffer(const Handle& handle) {
   EPCOMM_CHECK(hd.expert_block_rows > 0, pre,
                "argument: handle: it comes from a normal-mode dispatch, not a low_latency_dispatch");
   return b.allocator->allocate(DType::bf16, {hd.num_local, hd.expert_block_rows, hd.hidden});
+}
+
+// ---- rank masks ----------------------------------------------------------------------------------------
+
+void Buffer::low_latency_update_mask_buffer(int rank, bool mask) {
+  Impl& b = *impl_;
+  EPCOMM_CHECK(rank >= 0 && rank < b.num_ranks, "epcomm[rank ", b.rank,
+               "] low_latency_update_mask_buffer: argument: rank: expected 0 to ", b.num_ranks - 1, ", got ",
+               rank);
+  ll::MaskState& ms = ll::mask_state(b);
+  std::lock_guard<std::mutex> lk(ms.m);
+  ms.masked[rank] = mask ? 1 : 0;
+}
+
+std::vector<int32_t> Buffer::low_latency_query_mask_buffer() {
+  std::vector<uint8_t> m = ll::mask_state(*impl_).snapshot();
+  return std::vector<int32_t>(m.begin(), m.end());
+}
+
+void Buffer::set_low_latency_shrink(bool enable) {
+  ll::MaskState& ms = ll::mask_state(*impl_);
+  std::lock_guard<std::mutex> lk(ms.m);
+  ms.shrink = enable;
+}
+
+namespace {
+
+// One collective round among the live ranks (after the shrink agreement), then `then` on the
+// communication thread. Synchronous.
+void run_round(Buffer::Impl& b, const char* op, const std::function<void()>& then) {
+  b.check_usable(op);
+  const uint64_t s = ++b.seq;
+  auto st = launch(b, s, engine::OpKind::low_latency_clean, std::nullopt, std::string(), true,
+                   [&b, then](engine::OpContext& ctx, const std::function<void()>&) {
+                     const ll::LiveSet live = ll::enter_call(b, ctx);
+                     ll::MaskView view(*b.transport, live.live);
+                     engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_clean,
+                                           b.timeout_s);
+                     sub.begin_header(engine::OpKind::low_latency_clean);
+                     sub.publish_header();
+                     sub.exchange_headers();
+                     then();
+                     return int64_t{0};
+                   });
+  if (auto e = st->wait()) std::rethrow_exception(e);
+}
+
+}  // namespace
+
+void Buffer::low_latency_clean_mask_buffer() {
+  Impl& b = *impl_;
+  EPCOMM_CHECK(!b.inter, "epcomm[rank ", b.rank,
+               "] low_latency_clean_mask_buffer: rank masks work on one node only; this Buffer spans ",
+               b.num_nodes, " nodes");
+  run_round(b, "low_latency_clean_mask_buffer", [&b] {
+    ll::MaskState& ms = ll::mask_state(b);
+    std::lock_guard<std::mutex> lk(ms.m);
+    std::fill(ms.masked.begin(), ms.masked.end(), 0);
+  });
+}
+
+void Buffer::clean_low_latency_buffer(int64_t t_max, int64_t hidden, int num_experts) {
+  Impl& b = *impl_;
+  const std::string pre = detail::cat("epcomm[rank ", b.rank, "] clean_low_latency_buffer: ");
+  EPCOMM_CHECK(b.options.low_latency_mode, pre,
+               "argument: low_latency_mode: this Buffer was created with low_latency_mode = false");
+  EPCOMM_CHECK(t_max >= 1 && hidden >= 1, pre,
+               "argument: expected num_max_dispatch_tokens_per_rank >= 1 and hidden >= 1, got ", t_max,
+               " and ", hidden);
+  EPCOMM_CHECK(num_experts >= 1 && num_experts % b.num_ranks == 0, pre,
+               "argument: num_experts: expected a positive multiple of the ", b.num_ranks, " ranks, got ",
+               num_experts);
+  ll::MaskState& ms = ll::mask_state(b);
+  {
+    std::lock_guard<std::mutex> lk(ms.m);
+    if (!ms.shrink) return;
+  }
+  uses_masks(b);
+  run_round(b, "clean_low_latency_buffer", [] {});
 }
 
 }  // namespace epcomm

@@ -22,6 +22,10 @@ struct Handle::Impl {
   int num_ranks = 1, num_experts = 0, num_topk = 0, num_local = 0;
   int64_t num_tokens = 0, num_recv_rows = 0, num_rows = 0, expert_alignment = 1, num_worst_tokens = 0;
   int64_t expert_block_rows = 0;  // low-latency layout: rows per local expert block (0: normal mode)
+  // Low-latency dispatch with rank masks: the real rank of each rank index of this handle (the dispatch ran
+  // among these unmasked ranks only; its ranks and experts are numbered within them), and the number within
+  // them of each real expert (-1: on a masked rank). Both empty: every rank, real numbers.
+  std::vector<int32_t> live_ranks, expert_map;
   // Rows every rank of this host received together (pushed: against cache_resident_push_bytes).
   int64_t host_recv_rows = 0;
   int64_t hidden = 0;

@@ -23,6 +23,8 @@ const char* op_kind_name(OpKind op) {
       return "low_latency_dispatch";
     case OpKind::low_latency_combine:
       return "low_latency_combine";
+    case OpKind::low_latency_clean:
+      return "low_latency_clean";
   }
   return "?";
 }

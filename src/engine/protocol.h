@@ -26,6 +26,7 @@ enum class OpKind : uint32_t {
   combine_add_rms_norm = 6,
   low_latency_dispatch = 7,  // docs/low-latency.md: the dispatch protocol with the low-latency layout
   low_latency_combine = 8,
+  low_latency_clean = 9,  // clean_low_latency_buffer / low_latency_clean_mask_buffer with rank masks
 };
 const char* op_kind_name(OpKind op);
 
@@ -93,6 +94,16 @@ struct alignas(64) Control {
   // Sent across nodes with failed_message in one piece.
   int32_t lost_rank;
   char failed_message[kMessageBytes];
+  // Low-latency shrink agreement (docs/low-latency.md, "Masks and shrink"), one node: `ll_arrive` is the
+  // sequence number of the last low-latency call this rank reached; for call `seq`, slot seq % 2 holds the
+  // bit set of the ranks this rank saw arrive (`ll_view`, 64 ranks per word), published by `ll_view_seq`.
+  std::atomic<uint64_t> ll_arrive;
+  std::atomic<uint64_t> ll_view_seq[2];
+  uint64_t ll_view[2][kMaxRanks / 64];
+  // A low-latency combine among fewer ranks than its dispatch: `ll_x_ready` = seq once this rank's expert
+  // outputs lie in its output arena at `ll_x_offset`; `ll_x_done` = seq once it has read its tokens' rows.
+  std::atomic<uint64_t> ll_x_ready, ll_x_done;
+  int64_t ll_x_offset;
 };
 static_assert(offsetof(Control, failed_message) == offsetof(Control, lost_rank) + sizeof(int32_t));
 

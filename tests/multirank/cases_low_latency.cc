@@ -3,8 +3,10 @@
 // seed, derives the rows each local expert must receive (in source rank, token order), their FP8 codes and
 // scales (support/quant_reference.h), and the canonical f32 weighted sum combine must return, bit for bit.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "multirank/driver.h"
@@ -128,11 +130,51 @@ LowLatencyDispatchArgs dispatch_args(LlRankInputs& in, int E, const LlTestShape&
   return a;
 }
 
+// The inputs as the live ranks see them (docs/low-latency.md, "Masks and shrink"): a masked source sends
+// nothing, a pair to a masked rank's expert is absent.
+std::vector<LlRankInputs> without(std::vector<LlRankInputs> all, const std::vector<int>& masked, int L) {
+  auto is_masked = [&](int r) { return std::find(masked.begin(), masked.end(), r) != masked.end(); };
+  for (int s = 0; s < static_cast<int>(all.size()); ++s) {
+    if (is_masked(s)) all[s].T = 0;
+    for (auto& id : all[s].ids)
+      if (id >= 0 && is_masked(static_cast<int>(id / L))) id = -1;
+  }
+  return all;
+}
+
+LowLatencyCombineArgs combine_args(Buffer& buf, const LowLatencyDispatchResult& d, LlRankInputs& mine,
+                                   const LlTestShape& sh, int rank, int R) {
+  Tensor y = buf.low_latency_combine_buffer(*d.handle);
+  const int L = sh.experts_per_rank;
+  const int64_t RT = R * sh.t_max;
+  std::fill_n(y.data_as<uint16_t>(), y.numel(), uint16_t{0x7FC0});
+  for (int j = 0; j < L; ++j)
+    for (int64_t i = 0; i < d.recv_count.data_as<int32_t>()[j]; ++i)
+      for (int64_t h = 0; h < sh.hidden; ++h) {
+        const int64_t at = (j * RT + i) * sh.hidden + h;
+        const float v = static_cast<float>(dec_bf16(d.recv_x.data_as<uint16_t>()[at]));
+        y.data_as<uint16_t>()[at] = enc_bf16(v * (1.0f + (rank * L + j) / 8.0f));
+      }
+  LowLatencyCombineArgs c;
+  c.x = y;
+  c.handle = d.handle;
+  c.topk_idx = Tensor::wrap(mine.ids.data(), DType::i64, {mine.T, sh.topk});
+  c.topk_weights = Tensor::wrap(mine.w.data(), DType::f32, {mine.T, sh.topk});
+  return c;
+}
+
+void check_combined(const Tensor& out, const LlRankInputs& ref_in, const LlTestShape& sh, const char* what) {
+  const std::vector<uint16_t> ref = combine_ref(ref_in, sh);
+  REQUIRE(out.nbytes() == 2 * ref.size() &&
+              (ref.empty() || std::memcmp(out.data(), ref.data(), out.nbytes()) == 0),
+          what, ": combine differs from the canonical f32 sum (without the masked ranks' experts)");
+}
+
 }  // namespace
 
 MR_CASE("low_latency_round_trip", {}) {
   const LlTestShape sh;
-  const int E = ctx.size * sh.experts_per_rank, L = sh.experts_per_rank;
+  const int E = ctx.size * sh.experts_per_rank;
   BufferOptions o = test_options();
   o.low_latency_mode = true;
   o.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(sh.t_max, sh.hidden, ctx.size, E);
@@ -145,25 +187,91 @@ MR_CASE("low_latency_round_trip", {}) {
     const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
     check_rows(ctx, all, d, sh, false);
     // The experts write into the zero-copy buffer: y = row * (1 + e / 8) for the valid rows, NaN elsewhere.
-    Tensor y = buf.low_latency_combine_buffer(*d.handle);
-    const int64_t RT = ctx.size * sh.t_max;
-    std::fill_n(y.data_as<uint16_t>(), y.numel(), uint16_t{0x7FC0});
+    check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, ctx.size)).combined_x,
+                   mine, sh, "no mask");
+  }
+}
+
+// Masks set by hand on every rank: the last rank is masked for a dispatch and its combine; then rank 0 is
+// masked between a dispatch and its combine (the survivors combine without its experts); clean restores.
+MR_CASE("low_latency_masks", {}) {
+  const LlTestShape sh;
+  const int R = ctx.size, E = R * sh.experts_per_rank, L = sh.experts_per_rank;
+  Buffer buf(ctx.group, [] {
+    BufferOptions o = test_options();
+    o.low_latency_mode = true;
+    return o;
+  }());
+  std::vector<LlRankInputs> all;
+  for (int s = 0; s < R; ++s) all.push_back(inputs_of(3, s, E, sh));
+  LlRankInputs& mine = all[ctx.rank];
+  const int last = R - 1;
+  buf.low_latency_update_mask_buffer(last, true);
+  REQUIRE(buf.low_latency_query_mask_buffer()[last] == 1, "query after update");
+  std::vector<LlRankInputs> live = without(all, {last}, L);
+  const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
+  if (ctx.rank == last) {
     for (int j = 0; j < L; ++j)
-      for (int64_t i = 0; i < d.recv_count.data_as<int32_t>()[j]; ++i)
-        for (int64_t h = 0; h < sh.hidden; ++h) {
-          const int64_t at = (j * RT + i) * sh.hidden + h;
-          const float v = static_cast<float>(dec_bf16(d.recv_x.data_as<uint16_t>()[at]));
-          y.data_as<uint16_t>()[at] = enc_bf16(v * (1.0f + (ctx.rank * L + j) / 8.0f));
-        }
-    LowLatencyCombineArgs c;
-    c.x = y;
-    c.handle = d.handle;
-    c.topk_idx = Tensor::wrap(mine.ids.data(), DType::i64, {mine.T, sh.topk});
-    c.topk_weights = Tensor::wrap(mine.w.data(), DType::f32, {mine.T, sh.topk});
-    const Tensor out = buf.low_latency_combine(c).combined_x;
-    const std::vector<uint16_t> ref = combine_ref(mine, sh);
-    REQUIRE(out.nbytes() == 2 * ref.size() &&
-                (ref.empty() || std::memcmp(out.data(), ref.data(), out.nbytes()) == 0),
-            "combine differs from the canonical f32 sum");
+      REQUIRE(d.recv_count.data_as<int32_t>()[j] == 0, "a masked rank receives nothing");
+  } else {
+    check_rows(ctx, live, d, sh, false);
+  }
+  LlRankInputs ref_in = mine;  // a masked rank gets nothing back: all its pairs are absent
+  if (ctx.rank == last)
+    std::fill(ref_in.ids.begin(), ref_in.ids.end(), -1);
+  else
+    ref_in.ids = live[ctx.rank].ids;
+  check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, R)).combined_x, ref_in, sh,
+                 "last rank masked");
+  if (R >= 3) {
+    const LowLatencyDispatchResult d2 = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
+    buf.low_latency_update_mask_buffer(0, true);
+    LlRankInputs r2 = mine;
+    if (ctx.rank == 0 || ctx.rank == last)
+      std::fill(r2.ids.begin(), r2.ids.end(), -1);
+    else
+      r2.ids = without(all, {0, last}, L)[ctx.rank].ids;
+    check_combined(buf.low_latency_combine(combine_args(buf, d2, mine, sh, ctx.rank, R)).combined_x, r2, sh,
+                   "rank 0 masked after the dispatch");
+  }
+  buf.low_latency_clean_mask_buffer();
+  REQUIRE(buf.low_latency_query_mask_buffer() == std::vector<int32_t>(R, 0), "clean clears the mask");
+  const LowLatencyDispatchResult d3 = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
+  check_rows(ctx, all, d3, sh, false);
+  check_combined(buf.low_latency_combine(combine_args(buf, d3, mine, sh, ctx.rank, R)).combined_x, mine, sh,
+                 "after clean");
+}
+
+// Shrink: the last rank never calls; the survivors mask it in the dispatch's agreement round (after the
+// deadline), all report the same mask, and dispatch and combine complete without its experts.
+MR_CASE("low_latency_shrink", {false, 3}) {
+  const LlTestShape sh;
+  const int R = ctx.size, E = R * sh.experts_per_rank, L = sh.experts_per_rank;
+  const double timeout = 1.0;
+  Buffer buf(ctx.group, [&] {
+    BufferOptions o = test_options(8 << 20, timeout);
+    o.low_latency_mode = true;
+    return o;
+  }());
+  buf.set_low_latency_shrink(true);
+  const int stopped = R - 1;
+  if (ctx.rank == stopped) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(timeout * 3000) + 500));
+    return;
+  }
+  std::vector<LlRankInputs> all;
+  for (int s = 0; s < R; ++s) all.push_back(inputs_of(5, s, E, sh));
+  LlRankInputs& mine = all[ctx.rank];
+  const std::vector<LlRankInputs> live = without(all, {stopped}, L);
+  for (int round = 0; round < 2; ++round) {
+    const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
+    std::vector<int32_t> want(R, 0);
+    want[stopped] = 1;
+    REQUIRE(buf.low_latency_query_mask_buffer() == want, "round ", round, ": the stopped rank is masked");
+    check_rows(ctx, live, d, sh, false);
+    LlRankInputs ref_in = mine;
+    ref_in.ids = live[ctx.rank].ids;
+    check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, R)).combined_x, ref_in,
+                   sh, "shrink");
   }
 }
