@@ -33,7 +33,7 @@ struct BufferOptions {
   int64_t num_nvl_bytes = 0;      // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
   int64_t num_rdma_bytes = 0;     // internode staging (unused on one node); equal on all ranks.
   bool low_latency_mode = false;  // enables the low-latency calls (docs/low-latency.md)
-  bool enable_shrink = false;     // true: rejected by the constructor; Buffer::set_low_latency_shrink
+  bool enable_shrink = false;     // low-latency shrink (docs/low-latency.md); set_low_latency_shrink too
   ReceiveOrder receive_order = ReceiveOrder::expert_major;
   int ranks_per_node = 0;                // 0 = one node per host
   std::optional<double> timeout_s;       // default: env EPCOMM_TIMEOUT_S, else 100

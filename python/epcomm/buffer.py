@@ -138,12 +138,9 @@ class Buffer:
         else:
             g = as_group(group)
             self.group = g.process_group
-            # Shrink is switched on after construction (the C++ options still reject enable_shrink).
             self._impl = _C.Buffer(g._c, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                   False, receive_order, ranks_per_node, timeout_s, *sizes,
+                                   bool(enable_shrink), receive_order, ranks_per_node, timeout_s, *sizes,
                                    flavor=self.flavor)
-            if enable_shrink:
-                self._impl.set_low_latency_shrink(True)
         self.enable_shrink = bool(enable_shrink)
         _live_buffers.add(self)
 

@@ -63,7 +63,6 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   } catch (const Error& e) {
     EPCOMM_THROW(InvalidUsage, pre, e.what());
   }
-  EPCOMM_CHECK(!options.enable_shrink, pre, "argument: enable_shrink=True is not supported by epcomm");
   EPCOMM_CHECK(options.num_combine_input_bytes >= 0, pre,
                "argument: num_combine_input_bytes: expected >= 0, got ", options.num_combine_input_bytes);
   EPCOMM_CHECK(options.num_dispatch_input_bytes >= 0, pre,
@@ -538,6 +537,9 @@ void Buffer::fail_call(const std::string& op, ErrorCode code, const std::string&
   b.check_usable(opname);
   const uint64_t s = ++b.seq;
   const Error error(code, b.prefix(opname, s) + message);
+  const bool low_latency =
+      kind == engine::OpKind::low_latency_dispatch || kind == engine::OpKind::low_latency_combine;
+  if (low_latency && fail_low_latency_among_live(b, s, kind, error.what())) throw error;
   auto st = launch(b, s, kind, std::nullopt, error.what(), true,
                    [](engine::OpContext&, const std::function<void()>&) { return int64_t{0}; });
   st->wait();
@@ -557,13 +559,18 @@ std::shared_ptr<detail::EventState> launch_combine(Buffer::Impl& b, uint64_t s, 
                      engine::run_combine(ctx, *in, *out, on_shapes);
                      return static_cast<int64_t>(out->combined_x.nbytes());
                    });
+  await_launch(st, verr, async_finish);
+  return st;
+}
+
+void await_launch(const std::shared_ptr<detail::EventState>& st, const std::optional<Error>& verr,
+                  bool async_finish) {
   if (verr) {
     st->wait();
     throw *verr;
   }
   if (!async_finish)
     if (auto e = st->wait()) std::rethrow_exception(e);
-  return st;
 }
 
 CombineResult Buffer::combine(const CombineArgs& a) {

@@ -21,6 +21,10 @@
 
 namespace epcomm {
 
+namespace ll {
+struct MaskState;  // api/low_latency_masks.h
+}
+
 struct Buffer::Impl : detail::CommContext {
   std::shared_ptr<Group> group;
   BufferOptions options;
@@ -29,6 +33,8 @@ struct Buffer::Impl : detail::CommContext {
   engine::WorkerPool workers;  // copy threads (Config::num_threads), started when a call first needs them
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
   bool destroyed = false;
+  std::once_flag masks_once;
+  std::shared_ptr<ll::MaskState> masks;  // low-latency rank masks (ll::mask_state creates them)
 
   // Communication thread.
   std::thread comm;
@@ -71,6 +77,16 @@ std::shared_ptr<detail::EventState> launch_combine(Buffer::Impl& b, uint64_t s, 
                                                    const std::optional<Error>& verr, bool async_finish,
                                                    std::shared_ptr<engine::CombineInput> in,
                                                    std::shared_ptr<engine::CombineOutput> out);
+
+// Buffer::fail_call of a low-latency call while rank masks or shrink are in use: publishes the failed header
+// to the live ranks only (after the shrink agreement round) and returns true; false (nothing done) without
+// masks.
+bool fail_low_latency_among_live(Buffer::Impl& b, uint64_t s, engine::OpKind kind, const std::string& msg);
+
+// The caller's side of a launched call: a validation error `verr` is thrown once the call has published it
+// (the peers raise too); a synchronous call (!async_finish) waits and rethrows the call's error.
+void await_launch(const std::shared_ptr<detail::EventState>& st, const std::optional<Error>& verr,
+                  bool async_finish);
 
 // Fills the engine input of a fresh or cached dispatch from the user's arguments; throws InvalidUsage
 // naming the argument, the expected and the actual value (no rank prefix: the caller adds it).

@@ -231,6 +231,19 @@ void run_masked_dispatch(Buffer::Impl& b, engine::OpContext& sub, const ll::Live
 
 }  // namespace
 
+bool fail_low_latency_among_live(Buffer::Impl& b, uint64_t s, engine::OpKind kind, const std::string& msg) {
+  if (!uses_masks(b)) return false;
+  auto st = launch(b, s, kind, std::nullopt, std::string(), true,
+                   [&b, kind, msg](engine::OpContext& ctx, const std::function<void()>&) -> int64_t {
+                     const ll::LiveSet live = ll::enter_call(b, ctx);
+                     ll::MaskView view(*b.transport, live.live);
+                     engine::OpContext sub(view, b.segment.engine, ctx.seq(), kind, b.timeout_s);
+                     fail_among_live(sub, kind, msg);
+                   });
+  st->wait();
+  return true;
+}
+
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
   Impl& b = *impl_;
   b.check_usable("low_latency_dispatch");
@@ -264,22 +277,23 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   }
   const bool masks = uses_masks(b);
   const std::string msg = verr ? std::string(verr->what()) : std::string();
-  auto st = launch(
-      b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
-      !a.async_finish || verr.has_value(),
-      [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
-        if (!masks) {
-          engine::run_dispatch(ctx, *in, *out, on_shapes);
-        } else {
-          const ll::LiveSet live = ll::enter_call(b, ctx);
-          ll::MaskView view(*b.transport, live.live);
-          engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_dispatch, b.timeout_s);
-          if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
-          run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
-        }
-        finish_dispatch(*out, *o);
-        return static_cast<int64_t>(out->recv_x.data.nbytes());
-      });
+  auto st =
+      launch(b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
+             !a.async_finish || verr.has_value(),
+             [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+               if (!masks) {
+                 engine::run_dispatch(ctx, *in, *out, on_shapes);
+               } else {
+                 const ll::LiveSet live = ll::enter_call(b, ctx);
+                 ll::MaskView view(*b.transport, live.live);
+                 engine::OpContext sub(view, b.segment.engine, ctx.seq(),
+                                       engine::OpKind::low_latency_dispatch, b.timeout_s);
+                 if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
+                 run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
+               }
+               finish_dispatch(*out, *o);
+               return static_cast<int64_t>(out->recv_x.data.nbytes());
+             });
   if (verr) {
     st->wait();
     throw *verr;
@@ -364,7 +378,8 @@ std::shared_ptr<detail::EventState> launch_masked_combine(Buffer::Impl& b, uint6
   auto body = [&b, msg, in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
     const ll::LiveSet live = ll::enter_call(b, ctx);
     ll::MaskView view(*b.transport, live.live);
-    engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_combine, b.timeout_s);
+    engine::OpContext sub(view, b.segment.engine, ctx.seq(), engine::OpKind::low_latency_combine,
+                          b.timeout_s);
     if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_combine, msg);
     if (!same_ranks(live, *in->handle)) {
       ll::combine_among_survivors(b, ctx, live, *in, *out, on_shapes);
@@ -378,12 +393,7 @@ std::shared_ptr<detail::EventState> launch_masked_combine(Buffer::Impl& b, uint6
   };
   auto st = launch(b, s, engine::OpKind::low_latency_combine, std::nullopt, std::string(),
                    !async_finish || verr.has_value(), body);
-  if (verr) {
-    st->wait();
-    throw *verr;
-  }
-  if (!async_finish)
-    if (auto e = st->wait()) std::rethrow_exception(e);
+  await_launch(st, verr, async_finish);
   return st;
 }
 
@@ -500,8 +510,8 @@ void run_round(Buffer::Impl& b, const char* op, const std::function<void()>& the
                    [&b, then](engine::OpContext& ctx, const std::function<void()>&) {
                      const ll::LiveSet live = ll::enter_call(b, ctx);
                      ll::MaskView view(*b.transport, live.live);
-                     engine::OpContext sub(view, b.layout, ctx.seq(), engine::OpKind::low_latency_clean,
-                                           b.timeout_s);
+                     engine::OpContext sub(view, b.segment.engine, ctx.seq(),
+                                           engine::OpKind::low_latency_clean, b.timeout_s);
                      sub.begin_header(engine::OpKind::low_latency_clean);
                      sub.publish_header();
                      sub.exchange_headers();

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
 
 #include "common/check.h"
 #include "common/log.h"
@@ -14,25 +13,12 @@
 namespace epcomm::ll {
 
 MaskState& mask_state(Buffer::Impl& b) {
-  // Keyed by the Buffer's Impl, checked against its `alive` token so that a new Buffer at the address of a
-  // destroyed one starts unmasked.
-  struct Entry {
-    std::weak_ptr<int> alive;
-    std::shared_ptr<MaskState> state;
-  };
-  static std::mutex mu;
-  static std::map<const void*, Entry> table;
-  std::lock_guard<std::mutex> lk(mu);
-  for (auto it = table.begin(); it != table.end();)
-    it = it->second.alive.expired() ? table.erase(it) : std::next(it);
-  Entry& e = table[&b];
-  if (!e.state || e.alive.lock() != b.alive) {
-    e.alive = b.alive;
-    e.state = std::make_shared<MaskState>();
-    e.state->masked.assign(b.num_ranks, 0);
-    e.state->shrink = b.options.enable_shrink;
-  }
-  return *e.state;
+  std::call_once(b.masks_once, [&b] {
+    b.masks = std::make_shared<MaskState>();
+    b.masks->masked.assign(b.num_ranks, 0);
+    b.masks->shrink = b.options.enable_shrink;
+  });
+  return *b.masks;
 }
 
 std::vector<int32_t> live_ranks(const std::vector<uint8_t>& masked, int self) {
