@@ -22,7 +22,10 @@ struct LowLatencyDispatchArgs {
   // use_fp8: e4m3 codes per 128 channels (docs/quant.md fp8_per_group128); round_scale: power-of-two scales;
   // use_ue8m0 (requires round_scale): one ue8m0 byte per group, packed four per i32.
   bool use_fp8 = true, round_scale = false, use_ue8m0 = false;
-  bool async_finish = false;                                 // returns once the call is queued; see event
+  bool async_finish = false;  // returns once the call is queued; see event
+  // Returns once this rank's rows are sent (written into the receivers' outputs, or across nodes handed to
+  // the network); event.wait() (the hook) waits for the rows of every source. Not with async_finish.
+  bool return_recv_hook = false;
   std::optional<Tensor> cumulative_local_expert_recv_stats;  // [L] i32, += recv_count
   std::optional<Tensor> dispatch_wait_recv_cost_stats;       // [R] i64, += microseconds waited per source
 };

@@ -171,7 +171,7 @@ py::tuple combine(PyBuffer& self, const at::Tensor& x, const std::shared_ptr<PyH
 py::tuple low_latency_dispatch(PyBuffer& self, const at::Tensor& x, const at::Tensor& topk_idx, int64_t t_max,
                                int num_experts, const std::optional<at::Tensor>& cumulative_stats,
                                const std::optional<at::Tensor>& wait_stats, bool use_fp8, bool round_scale,
-                               bool use_ue8m0, bool async_finish) {
+                               bool use_ue8m0, bool async_finish, bool return_recv_hook) {
   LowLatencyDispatchArgs a;
   try {
     a.x = from_torch(x, "x");
@@ -187,6 +187,7 @@ py::tuple low_latency_dispatch(PyBuffer& self, const at::Tensor& x, const at::Te
   a.round_scale = round_scale;
   a.use_ue8m0 = use_ue8m0;
   a.async_finish = async_finish;
+  a.return_recv_hook = return_recv_hook;
   LowLatencyDispatchResult r;
   {
     py::gil_scoped_release nogil;
@@ -278,7 +279,7 @@ void bind_buffer(py::module_& m) {
       .def("low_latency_dispatch", &low_latency_dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("t_max"),
            py::arg("num_experts"), py::arg("cumulative_local_expert_recv_stats"),
            py::arg("dispatch_wait_recv_cost_stats"), py::arg("use_fp8"), py::arg("round_scale"),
-           py::arg("use_ue8m0"), py::arg("async_finish"))
+           py::arg("use_ue8m0"), py::arg("async_finish"), py::arg("return_recv_hook") = false)
       .def("low_latency_combine", &low_latency_combine, py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("handle"), py::arg("async_finish"), py::arg("out"),
            py::arg("combine_wait_recv_cost_stats"))

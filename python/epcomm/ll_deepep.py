@@ -65,7 +65,7 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         _fail(buffer, op, str(e))
     r = buffer._guarded_call(op, buffer._impl.low_latency_dispatch, x, topk_idx, t_max, n_exp,
                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, bool(use_fp8),
-                             bool(round_scale), bool(use_ue8m0), async_finish or hook)
+                             bool(round_scale), bool(use_ue8m0), async_finish, hook)
     data, data_name, scales, count, src_info, layout_range, impl, event = r
     recv_x = as_format(data, data_name)
     if scales is not None:

@@ -331,8 +331,8 @@ static bool comm_thread_idle(Buffer::Impl& b) {
 // run (`failed_message` set by validation, or a failed previous_event) publishes a failed header instead.
 std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
                                            std::optional<EventOverlap> previous, std::string failed_message,
-                                           bool sync, OpBody body) {
-  auto st = std::make_shared<detail::EventState>();
+                                           bool sync, OpBody body, std::shared_ptr<detail::EventState> st) {
+  if (!st) st = std::make_shared<detail::EventState>();
   auto task = [&b, s, kind, previous, failed_message, body, st]() mutable {
     engine::OpContext ctx = b.op_context(s, kind, b.timeout_s);
     try {

@@ -65,10 +65,12 @@ using OpBody = std::function<int64_t(engine::OpContext&, const std::function<voi
 
 // Runs `body` for sequence number `s` on the communication thread (on the caller's thread when `sync` and
 // the communication thread is idle), under the Buffer's one failure policy (buffer.cc). A non-empty
-// `failed_message` (this rank's validation failed) publishes a failed header instead of running it.
+// `failed_message` (this rank's validation failed) publishes a failed header instead of running it. `st`:
+// the call's completion state, when the caller made it first (so that the body can signal progress in it).
 std::shared_ptr<detail::EventState> launch(Buffer::Impl& b, uint64_t s, engine::OpKind kind,
                                            std::optional<EventOverlap> previous, std::string failed_message,
-                                           bool sync, OpBody body);
+                                           bool sync, OpBody body,
+                                           std::shared_ptr<detail::EventState> st = nullptr);
 
 // launch() of a combine (normal or low-latency): a validation error `verr` fails the call on every rank and
 // is thrown here; a synchronous call (!async_finish) waits and rethrows the call's error.

@@ -13,7 +13,7 @@ namespace epcomm::detail {
 struct EventState {
   void complete(std::exception_ptr e) {
     std::lock_guard<std::mutex> lk(m);
-    done = shapes = true;
+    done = shapes = sent = true;
     err = e;
     cv.notify_all();
   }
@@ -26,6 +26,18 @@ struct EventState {
     std::unique_lock<std::mutex> lk(m);
     cv.wait(lk, [&] { return done; });
     return err;
+  }
+  // A dispatch sent every row of this rank (low-latency return_recv_hook).
+  void rows_sent() {
+    std::lock_guard<std::mutex> lk(m);
+    sent = true;
+    cv.notify_all();
+  }
+  // Waits until this rank's rows are sent or the operation ended; returns the error if it ended with one.
+  std::exception_ptr wait_sent() {
+    std::unique_lock<std::mutex> lk(m);
+    cv.wait(lk, [&] { return sent; });
+    return done ? err : nullptr;
   }
   // Waits until shapes are known or the operation ended; returns the error if it ended with one.
   std::exception_ptr wait_shapes() {
@@ -44,7 +56,7 @@ struct EventState {
 
   std::mutex m;
   std::condition_variable cv;
-  bool done = false, shapes = false;
+  bool done = false, shapes = false, sent = false;
   std::exception_ptr err;
 };
 

@@ -57,6 +57,8 @@ void check_dispatch_args(const Buffer::Impl& b, const LowLatencyDispatchArgs& a,
   const int R = b.num_ranks;
   EPCOMM_CHECK(b.options.low_latency_mode,
                "argument: low_latency_mode: this Buffer was created with low_latency_mode = false");
+  EPCOMM_CHECK(!(a.async_finish && a.return_recv_hook),
+               "argument: async_finish and return_recv_hook: expected at most one of them, got both");
   const int64_t tmax = a.num_max_dispatch_tokens_per_rank;
   EPCOMM_CHECK(tmax >= 1 && tmax <= (int64_t{1} << 20),
                "argument: num_max_dispatch_tokens_per_rank: expected 1 to ", int64_t{1} << 20, ", got ",
@@ -277,23 +279,27 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   }
   const bool masks = uses_masks(b);
   const std::string msg = verr ? std::string(verr->what()) : std::string();
-  auto st =
-      launch(b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
-             !a.async_finish || verr.has_value(),
-             [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
-               if (!masks) {
-                 engine::run_dispatch(ctx, *in, *out, on_shapes);
-               } else {
-                 const ll::LiveSet live = ll::enter_call(b, ctx);
-                 ll::MaskView view(*b.transport, live.live);
-                 engine::OpContext sub(view, b.segment.engine, ctx.seq(),
-                                       engine::OpKind::low_latency_dispatch, b.timeout_s);
-                 if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
-                 run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
-               }
-               finish_dispatch(*out, *o);
-               return static_cast<int64_t>(out->recv_x.data.nbytes());
-             });
+  const bool async = a.async_finish || a.return_recv_hook;
+  auto state = std::make_shared<detail::EventState>();
+  if (a.return_recv_hook && !verr) in->on_sent = [state] { state->rows_sent(); };
+  auto st = launch(
+      b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
+      !async || verr.has_value(),
+      [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
+        if (!masks) {
+          engine::run_dispatch(ctx, *in, *out, on_shapes);
+        } else {
+          const ll::LiveSet live = ll::enter_call(b, ctx);
+          ll::MaskView view(*b.transport, live.live);
+          engine::OpContext sub(view, b.segment.engine, ctx.seq(), engine::OpKind::low_latency_dispatch,
+                                b.timeout_s);
+          if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
+          run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
+        }
+        finish_dispatch(*out, *o);
+        return static_cast<int64_t>(out->recv_x.data.nbytes());
+      },
+      state);
   if (verr) {
     st->wait();
     throw *verr;
@@ -301,8 +307,11 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   out->handle->wait_shapes = [st] {
     if (auto e = st->wait_shapes()) std::rethrow_exception(e);
   };
-  if (!a.async_finish)
+  if (!async) {
     if (auto e = st->wait()) std::rethrow_exception(e);
+  } else if (a.return_recv_hook) {
+    if (auto e = st->wait_sent()) std::rethrow_exception(e);
+  }
   LowLatencyDispatchResult r = o->result;
   r.handle = std::make_shared<const Handle>(out->handle);
   r.event = EventOverlap(st);

@@ -377,6 +377,7 @@ class DispatchCall {
   std::vector<const uint8_t*> shared_x_;  // sources whose x lies in their shared dispatch-input area
   std::vector<char> pushed_to_;
   int push_left_ = 0;  // receivers of our tokens not served yet
+  bool sent_ = false;  // in_.on_sent was called
   bool oversubscribed_ = false;
   std::vector<char> serve_;  // receivers the next pass serves (refilled at every poll, not reallocated)
 };
@@ -916,6 +917,10 @@ bool DispatchCall::data_step(bool& progressed) {
   // After the routing windows above: the metadata of the rows we receive is filled (and acknowledged)
   // before our long pass, not after it.
   if (push_left_ > 0) serve_receivers(progressed);
+  if (in_.on_sent && !sent_ && push_left_ == 0 && sender_.staged() == sender_.windows()) {
+    sent_ = true;
+    in_.on_sent();
+  }
   return all;
 }
 

@@ -62,6 +62,10 @@ struct DispatchInput {
   int threads = 1;                   // copy threads this call may use (engine/workers.h)
   std::optional<Tensor> cost_stats;  // [R] i64 or i32, accumulated
   std::vector<Tensor> keep;          // user tensors held until the call completes
+  // Called once, on the thread that runs the call, when every row of this rank has been sent: written into
+  // the receivers' outputs (pushed) or staged and published to them (and across nodes handed to the
+  // network). Optional; low-latency return_recv_hook returns to its caller then.
+  std::function<void()> on_sent;
 };
 
 // Outputs left undefined are allocated by run_dispatch; the caller pre-allocates those whose shapes it knows

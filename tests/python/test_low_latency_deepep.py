@@ -3,6 +3,7 @@ rank regenerates every rank's inputs from one seed and derives what it must rece
 recv_count, src_info, layout_range, FP8 codes and scales bitwise) and what combine must return (the canonical
 f32 sum over top-k slots, bitwise)."""
 import struct
+import time
 
 import pytest
 import torch
@@ -241,6 +242,33 @@ def body_overlap(rank, R, seed):
 
 def test_hooks_async_and_two_results_alive():
     spawn(body_overlap, 2, 5)
+
+
+def body_hook_returns_after_send(rank, R, seed):
+    """return_recv_hook: the call returns once this rank's rows are written into the receivers' outputs; the
+    hook waits for the rows of every source. Every rank returns, meets the others (a barrier), and then finds
+    the rows of every *other* source already in place, before calling its hook."""
+    T, t_max, H, E, K = 64, 64, 2048, 8, 4
+    all_in = [inputs(seed, s, T, H, E, K) for s in range(R)]
+    buf = epcomm.Buffer(None, low_latency_mode=True, flavor="deepep")
+    store = torch.distributed.distributed_c10d._get_default_store()
+    if rank == 1:  # late: rank 0 cannot write into rank 1's outputs before rank 1 made its call
+        time.sleep(0.5)
+        store.set("rank1_called", "1")
+    r = buf.low_latency_dispatch(*all_in[rank], t_max, E, use_fp8=False, return_recv_hook=True)
+    if rank == 0:  # so rank 0's call, which returns only once its rows are written, returned after that
+        assert store.check(["rank1_called"]), "return_recv_hook returned before this rank's rows were sent"
+    torch.distributed.barrier()
+    recv_x, L = r[0], E // R
+    for j, rj in enumerate(expected(all_in, rank, L, t_max, R)):
+        for i, (s, t, _) in enumerate(rj):
+            if s != rank:
+                assert same_bits(recv_x[j, i], all_in[s][0][t]), f"rank {rank} expert {j} row {i} (source {s})"
+    check_dispatch(rank, R, all_in, t_max, E, H, r, "bf16")
+
+
+def test_hook_returns_after_the_rows_are_sent():
+    spawn(body_hook_returns_after_send, 2, 11)
 
 
 def body_errors(rank, R):
