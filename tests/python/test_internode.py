@@ -47,13 +47,12 @@ def _body(rank, world):
         assert a[3] == b[3], (order, "list")
         assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5]), (order, "handle sources")
         # The positional layouts across nodes (docs/python.md): items computed from the routing agree with the
-        # one-node handle's; the forwarder-only items say they have no value.
+        # one-node handle's (offset_inner, built from other ranks' routing: _forwarder_items_body).
         h1, h2 = handles
         assert len(h1) == 8 and len(h2) == 9 and h2.item_names[3:5] == ("topk_idx", "topk_weights")
         assert h2[3] is ids and h2[4] is ws and torch.equal(h2[1], h1[4]) and torch.equal(h2[2], h1[5])
         assert torch.equal(h2[0], h1[3])
-        with pytest.raises(epcomm.InvalidUsageError, match="forwarding rank"):
-            h2[5]
+        assert h2.item_names[5] == "offset_inner" and h2[5].shape == (world // 2, ASCEND_MAX_BATCH, E)
         gbl = torch.tensor(h1.num_recv_rows_per_source).cumsum(0).to(torch.int32)
         assert torch.equal(h2.item("recv_gbl_rank_prefix_sum"), gbl)
         assert torch.equal(h1[0][:, rank], gbl), "rank_prefix_matrix column vs the rows received per source"
