@@ -229,12 +229,12 @@ py::tuple low_latency_combine(PyBuffer& self, const at::Tensor& x, const at::Ten
 template <typename T>
 at::Tensor int32_tensor(const std::vector<T>& v, std::vector<int64_t> shape) {
   static_assert(sizeof(T) == 4);
-  at::Tensor t = at::empty(shape.size() == 1 && shape[0] < 0 ? std::vector<int64_t>{static_cast<int64_t>(v.size())}
-                                                             : shape,
-                           at::kInt);
+  at::Tensor t = at::empty(
+      shape.size() == 1 && shape[0] < 0 ? std::vector<int64_t>{static_cast<int64_t>(v.size())} : shape,
+      at::kInt);
   if (static_cast<size_t>(t.numel()) != v.size())
-    throw Error(ErrorCode::Internal, "Handle: internal: " + std::to_string(v.size()) + " elements for a tensor of " +
-                                         std::to_string(t.numel()));
+    throw Error(ErrorCode::Internal, "Handle: internal: " + std::to_string(v.size()) +
+                                         " elements for a tensor of " + std::to_string(t.numel()));
   if (!v.empty()) std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(T));
   return t;
 }

@@ -52,7 +52,7 @@ struct Outputs {
   int K = 0;
   int32_t *src_rank = nullptr, *src_token = nullptr, *src_slot = nullptr;
   uint32_t* node_mask = nullptr;  // internode: the handle's recv_node_mask
-  bool pushed = false;  // the senders write the payload rows themselves
+  bool pushed = false;            // the senders write the payload rows themselves
 
   void copy_payload(int64_t row, const uint8_t* payload) const {
     if (pushed) return;
@@ -766,8 +766,9 @@ void DispatchCall::set_up_rounds() {
   serve_.assign(R_, 0);
 }
 
-// What the handle records across nodes (engine/handle_impl.h). As proxy we read every window a rail peer sends
-// to this node, whether or not we receive rows from it (and acknowledge it: the AckForwarder counts us then).
+// What the handle records across nodes (engine/handle_impl.h). As proxy we read every window a rail peer
+// sends to this node, whether or not we receive rows from it (and acknowledge it: the AckForwarder counts us
+// then).
 void DispatchCall::set_up_records() {
   walk_rail_.assign(R_, 0);
   if (!record_) return;
