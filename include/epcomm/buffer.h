@@ -91,6 +91,21 @@ class Handle {
   Tensor recv_src_token() const;  // [num_rows] i32
   Tensor recv_src_slot() const;   // [num_rows] i32, all -1 in rank_major
   uint64_t dispatch_id() const;   // the group-wide sequence number of the dispatch that made it
+  // Across nodes (a fresh normal-mode dispatch; empty otherwise), what the positional items that need other
+  // ranks' routing are computed from (docs/python.md). Per received row, the ranks of this node its source
+  // token goes to: bit j = the node's j-th rank (ascending), 0 for PAD and tail rows (empty with more than
+  // 32 ranks per node).
+  std::vector<uint32_t> recv_node_masks() const;
+  // The entries of the dispatch windows that this rank's rail peer on `node` (the rank with its local index
+  // there) sent to this node, in order, which this rank read as its proxy (none for this node): their token
+  // indices, node masks as above (empty with more than 32 ranks per node) and, with top-k, K ids each
+  // ([count * K]); `num_tokens` is that peer's T (this rank's for this node).
+  struct RailEntries {
+    int64_t num_tokens = 0;
+    std::vector<int32_t> tokens, ids;
+    std::vector<uint32_t> masks;
+  };
+  RailEntries rail_entries(int node) const;
   const Impl& impl() const { return *impl_; }
 
  private:

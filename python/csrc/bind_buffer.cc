@@ -2,6 +2,9 @@
 // may wait for peers or for the communication thread runs with the GIL released.
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <string>
+
 #include "bindings.h"
 #include "epcomm/buffer.h"
 #include "torch_bridge.h"
@@ -223,6 +226,20 @@ py::tuple low_latency_combine(PyBuffer& self, const at::Tensor& x, const at::Ten
   return py::make_tuple(to_torch(r.combined_x), r.event);
 }
 
+// A [shape] int32 tensor holding the elements of v (32-bit, copied).
+template <typename T>
+at::Tensor int32_tensor(const std::vector<T>& v, std::vector<int64_t> shape) {
+  static_assert(sizeof(T) == 4);
+  at::Tensor t = at::empty(
+      shape.size() == 1 && shape[0] < 0 ? std::vector<int64_t>{static_cast<int64_t>(v.size())} : shape,
+      at::kInt);
+  if (static_cast<size_t>(t.numel()) != v.size())
+    throw Error(ErrorCode::Internal, "Handle: internal: " + std::to_string(v.size()) +
+                                         " elements for a tensor of " + std::to_string(t.numel()));
+  if (!v.empty()) std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(T));
+  return t;
+}
+
 void bind_handle(py::module_& m) {
   using H = PyHandle;
   auto tensor_of = [](Tensor (Handle::*f)() const) {
@@ -256,6 +273,18 @@ void bind_handle(py::module_& m) {
                                std::copy(m.begin(), m.end(), t.data_ptr<int64_t>());
                                return t;
                              })
+      .def_property_readonly("recv_node_masks",
+                             [](const H& h) { return int32_tensor(h.handle->recv_node_masks(), {-1}); })
+      .def(
+          "rail_entries",
+          [](const H& h, int node) {
+            const Handle::RailEntries e = h.handle->rail_entries(node);
+            const auto n = static_cast<int64_t>(e.tokens.size());
+            return py::make_tuple(e.num_tokens, int32_tensor(e.tokens, {n}), int32_tensor(e.masks, {-1}),
+                                  int32_tensor(e.ids, {n, h.handle->num_topk()}));
+          },
+          py::arg("node"),
+          "(num_tokens, tokens, masks, ids) of the rail peer on `node` (Handle::rail_entries, int32 tensors)")
       .def_property_readonly("is_token_in_rank", [](const H& h) {
         const std::vector<uint8_t> v = h.handle->is_token_in_rank();
         const int64_t T = h.handle->num_tokens();

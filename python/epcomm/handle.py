@@ -25,10 +25,9 @@ LAYOUTS = {
     ("ascend", True): ("recv_src_idx", "is_token_in_rank", "send_head", "topk_idx", "topk_weights",
                        "offset_inner", "offset_outer", "count_outer", "expand_scales"),
 }
-# Items whose peer content is computed on the GPU by the forwarding rank of a node (from other ranks'
-# routing); epcomm's two-hop protocol keeps no such state where the item would have to be built, so reading
-# them raises.
-_UNAVAILABLE = {"recv_rdma_channel_prefix_matrix", "recv_src_meta", "send_nvl_head", "offset_inner"}
+# DeepEP's send_nvl_head has a column per NVL peer of its node (its NUM_MAX_NVL_PEERS); epcomm's nodes may have
+# more ranks, then it has one per rank.
+DEEPEP_NVL_PEERS = 8
 # The Ascend port allocates its per-token internode items for this many tokens (its MAX_BATCH_SIZE); rows past
 # the dispatch's tokens hold "not sent" (docs/python.md).
 ASCEND_MAX_BATCH = 4096
@@ -41,6 +40,22 @@ def _index_among_sent(sent):
     """[T, X] bool -> [T, X] i32: t's index among the tokens t' with sent[t', x], -1 where not sent[t, x]."""
     before = torch.cumsum(sent.to(torch.int32), 0) - 1
     return torch.where(sent, before, torch.full_like(before, -1)).to(torch.int32)
+
+
+def _server_offsets(ids, expert_node, allowed):
+    """[n, K] ids of n tokens (in token order) -> [n, E] i32: the position of pair (token, e) among the pairs for
+    experts of e's node, ordered by expert then token; -1 where the token does not go to e or e is not allowed."""
+    n, E = ids.shape[0], expert_node.shape[0]
+    onehot = torch.zeros(n, E, dtype=torch.int64)
+    valid = (ids >= 0) & allowed[ids.clamp(min=0)]
+    onehot[torch.arange(n).unsqueeze(1).expand_as(ids)[valid], ids[valid]] = 1
+    total = onehot.sum(0)
+    before = torch.zeros(E, dtype=torch.int64)  # pairs for the experts of e's node before e
+    for g in expert_node.unique().tolist():
+        sel = (expert_node == g).to(torch.int64)
+        before += (torch.cumsum(total * sel, 0) - total * sel) * sel
+    pos = torch.cumsum(onehot, 0) - 1 + before
+    return torch.where(onehot > 0, pos, torch.full_like(pos, -1)).to(torch.int32)
 
 
 class Handle(tuple):
@@ -111,11 +126,6 @@ class Handle(tuple):
     def item(self, name):
         """A positional item by its name (computed once, when first read)."""
         if name not in self._items:
-            if name in _UNAVAILABLE:
-                raise InvalidUsageError(
-                    f"handle item {name!r}: its peer computes it on the GPU of a node's forwarding rank; "
-                    "epcomm's internode protocol keeps no such state, so it has no value (docs/python.md, "
-                    "\"Positional handle items\")")
             compute = getattr(self, "_item_" + name, None) if isinstance(name, str) else None
             if compute is None:
                 raise InvalidUsageError(f"handle item {name!r}: not an item of any handle layout (this one has "
@@ -203,6 +213,77 @@ class Handle(tuple):
 
     def _ascend_rows(self):
         return max(self.num_tokens, ASCEND_MAX_BATCH)
+
+    # Items built from other ranks' routing, which the dispatch recorded: the node masks of the received rows,
+    # and, as proxy of this rank's rail peers (the ranks with its local index on the other nodes), the entries
+    # of their windows this node needed (Handle::rail_entries, docs/python.md).
+
+    def _node_ranks(self):
+        me = self._node_of[self._rank]
+        return [r for r, n in enumerate(self._node_of) if n == me]
+
+    def _masks_needed(self, name):
+        P = len(self._node_ranks())
+        if P > 32:
+            raise InvalidUsageError(f"handle item {name!r}: its node masks hold 32 ranks per node; this Buffer's "
+                                    f"nodes have {P}")
+
+    def _rail(self, m):
+        """(T, tokens [n], masks [n], ids [n, K]) of the rail peer on node m: the entries it sent to this node,
+        in token order; for this node, this rank's own tokens that go to some rank of it."""
+        if m != self._node_of[self._rank]:
+            return self._done().rail_entries(m)
+        local = self._in_rank()[:, self._node_ranks()]
+        tokens = local.any(1).nonzero().reshape(-1).to(torch.int32)
+        bits = (local.to(torch.int64) << torch.arange(local.shape[1])).sum(1) if local.shape[1] <= 32 else None
+        masks = bits[tokens.long()].to(torch.int32) if bits is not None else torch.zeros(0, dtype=torch.int32)
+        ids = self._topk[0]
+        ids = (ids[tokens.long()].to(torch.int32) if ids is not None
+               else torch.zeros(len(tokens), 0, dtype=torch.int32))
+        return self.num_tokens, tokens, masks, ids
+
+    def _item_recv_rdma_channel_prefix_matrix(self):
+        """[M, 1] i32: tokens the rail peer on node m sent to this node (m = ours: own tokens kept here)."""
+        nodes = max(self._node_of) + 1
+        return torch.tensor([len(self._rail(m)[1]) for m in range(nodes)], dtype=torch.int32).reshape(nodes, 1)
+
+    def _item_send_nvl_head(self):
+        """[sum_m n_m, max(P, 8)] i32: per entry of each rail peer (node order, then token order), its index
+        among that peer's entries for the node's j-th rank, -1 where the token does not go there."""
+        self._masks_needed("send_nvl_head")
+        cols = max(len(self._node_ranks()), DEEPEP_NVL_PEERS)
+        parts = []
+        for m in range(max(self._node_of) + 1):
+            masks = self._rail(m)[2].to(torch.int64)
+            parts.append(_index_among_sent((masks.unsqueeze(1) >> torch.arange(cols)) & 1 > 0))
+        return torch.cat(parts).to(torch.int32)
+
+    def _item_recv_src_meta(self):
+        """[num_rows, 8] u8: per row two int32, the source rank's node and the row's node mask (-1 and 0 for
+        PAD and tail rows)."""
+        self._masks_needed("recv_src_meta")
+        src = self.recv_src_rank.to(torch.int64)
+        node = torch.tensor(self._node_of, dtype=torch.int32)[src.clamp(min=0)]
+        node = torch.where(src >= 0, node, torch.full_like(node, -1))
+        meta = torch.stack([node, self._done().recv_node_masks], 1).contiguous()
+        return meta.view(torch.uint8)
+
+    def _item_offset_inner(self):
+        """[M, max(T*, 4096), E] i32: slab m for the rail peer on node m (this rank for its node), docs/python.md."""
+        if self._topk[0] is None:
+            raise InvalidUsageError("handle item 'offset_inner': needs a dispatch with topk_idx")
+        nodes, E, R = max(self._node_of) + 1, self.num_experts, len(self._node_of)
+        rails = [self._rail(m) for m in range(nodes)]
+        rows = max([ASCEND_MAX_BATCH] + [int(r[0]) for r in rails])
+        out = torch.full((nodes, rows, E), -1, dtype=torch.int32)
+        expert_node = torch.tensor(self._node_of, dtype=torch.int64).repeat_interleave(E // R)
+        me = self._node_of[self._rank]
+        for m, (_, tokens, _, ids) in enumerate(rails):
+            if m == me:  # this rank's slab: all its tokens, every expert
+                tokens, ids = torch.arange(self.num_tokens), self._topk[0]
+            allowed = torch.ones(E, dtype=torch.bool) if m == me else expert_node == me
+            out[m, tokens.long()] = _server_offsets(ids.to(torch.int64), expert_node, allowed)
+        return out
 
     def _item_offset_outer(self):
         """[max(T, 4096), M] i32: send_rdma_head's value for own tokens, -1 in the rows past them."""

@@ -1,4 +1,7 @@
 // api/handle.cc — Handle accessors.
+#include <algorithm>
+
+#include "common/check.h"
 #include "engine/handle_impl.h"
 
 namespace epcomm {
@@ -47,6 +50,17 @@ Tensor Handle::recv_src_slot() const {
 }
 uint64_t Handle::dispatch_id() const {
   return impl_->seq;
+}
+std::vector<uint32_t> Handle::recv_node_masks() const {
+  return impl_->recv_node_mask;
+}
+Handle::RailEntries Handle::rail_entries(int node) const {
+  const auto n = static_cast<size_t>(node);
+  EPCOMM_CHECK(node >= 0 && n < std::max<size_t>(impl_->rail_num_tokens.size(), 1),
+               "Handle::rail_entries: argument: node = ", node, ", expected 0 <= node < ",
+               std::max<size_t>(impl_->rail_num_tokens.size(), 1));
+  if (n >= impl_->rail_num_tokens.size()) return {};
+  return {impl_->rail_num_tokens[n], impl_->rail_tokens[n], impl_->rail_ids[n], impl_->rail_masks[n]};
 }
 
 }  // namespace epcomm

@@ -52,7 +52,8 @@ struct Outputs {
   float* weights = nullptr;
   int K = 0;
   int32_t *src_rank = nullptr, *src_token = nullptr, *src_slot = nullptr;
-  bool pushed = false;  // the senders write the payload rows themselves
+  uint32_t* node_mask = nullptr;  // internode: the handle's recv_node_mask
+  bool pushed = false;            // the senders write the payload rows themselves
 
   void copy_payload(int64_t row, const uint8_t* payload) const {
     if (pushed) return;
@@ -303,6 +304,15 @@ class DispatchCall {
   void publish_recv_x();
   void fill_handle_shape();
   void set_up_rounds();
+  void set_up_records();
+  void record_rail(int s, const StagedWindow& win);
+  uint32_t ids_mask(const int32_t* ids) const {
+    uint32_t bits = 0;
+    for (int k = 0; k < K_; ++k)
+      if (ids[k] >= 0) bits |= expert_bit_[ids[k]];
+    return bits;
+  }
+  uint32_t flags_mask(const uint8_t* m) const;
   void push_rows(const std::vector<char>& now);
   void plan_push(const std::vector<char>& now, PushPlan& plan);
   void pull(int s, int64_t w);
@@ -380,6 +390,11 @@ class DispatchCall {
   bool sent_ = false;  // in_.on_sent was called
   bool oversubscribed_ = false;
   std::vector<char> serve_;  // receivers the next pass serves (refilled at every poll, not reallocated)
+  // Internode, fresh normal mode: the handle records the node masks of the rows and, as proxy, the entries of
+  // the rail peers' windows (engine/handle_impl.h); walk_rail_[s]: we read rail peer s's windows to do so.
+  bool record_ = false, record_masks_ = false;
+  std::vector<uint32_t> expert_bit_;  // [E]: bit of the expert's rank on this node, 0 elsewhere
+  std::vector<char> walk_rail_;
 };
 
 DispatchCall::DispatchCall(OpContext& ctx, DispatchInput& in, DispatchOutput& out)
@@ -420,6 +435,8 @@ DispatchCall::DispatchCall(OpContext& ctx, DispatchInput& in, DispatchOutput& ou
   // Quantizing senders quantize each token once and push its codes and scales; a (data, scales) input pushes
   // its data rows and gathers each token's scales once. A cached dispatch pushes when the fresh one did: its
   // handle says where every copy goes.
+  record_ = inter_ && !in_.cached && in_.expert_block_rows == 0;
+  record_masks_ = record_ && inter_->topo.ranks_per_node <= 32;
   can_push_ = arena_ && !inter_ && (!in_.cached || hd_->pushed) && !in_.cost_stats && !share_x_ &&
               (!out_.recv_x.data.defined() || arena_offset(out_.recv_x.data) >= 0) &&
               (!out_.recv_x.scales || arena_offset(*out_.recv_x.scales) >= 0);
@@ -715,9 +732,10 @@ void DispatchCall::set_up_rounds() {
   nwin_.assign(R_, 0);
   pulled_.assign(R_, 0);
   done_us_.assign(R_, -1);
+  set_up_records();
   for (int s = 0; s < R_; ++s) {
-    nwin_[s] = (*rows_from_)[s] > 0 ? num_windows(tokens_of_[s], W_) : 0;
-    if (nwin_[s] == 0) done_us_[s] = elapsed_us(t_headers_);
+    nwin_[s] = (*rows_from_)[s] > 0 || walk_rail_[s] ? num_windows(tokens_of_[s], W_) : 0;
+    if ((*rows_from_)[s] == 0) done_us_[s] = elapsed_us(t_headers_);
   }
   cursor_ = plan_.start;
   if (!in_.cached) {
@@ -741,6 +759,58 @@ void DispatchCall::set_up_rounds() {
   }
   oversubscribed_ = tp_.oversubscribed();
   serve_.assign(R_, 0);
+}
+
+// What the handle records across nodes (engine/handle_impl.h). As proxy we read every window a rail peer
+// sends to this node, whether or not we receive rows from it (and acknowledge it: the AckForwarder counts us
+// then).
+void DispatchCall::set_up_records() {
+  walk_rail_.assign(R_, 0);
+  if (!record_) return;
+  const Topology& topo = inter_->topo;
+  expert_bit_.assign(static_cast<size_t>(in_.num_experts), 0);
+  for (int e = 0; e < in_.num_experts && record_masks_ && L_ > 0; ++e)
+    if (topo.is_local(e / L_)) expert_bit_[e] = uint32_t{1} << topo.local_index[e / L_];
+  if (record_masks_) nh_->recv_node_mask.assign(static_cast<size_t>(rows_), 0);
+  o_.node_mask = record_masks_ ? nh_->recv_node_mask.data() : nullptr;
+  nh_->rail_tokens.assign(M_, {});
+  nh_->rail_ids.assign(M_, {});
+  nh_->rail_masks.assign(M_, {});
+  nh_->rail_num_tokens.assign(M_, 0);
+  for (int n = 0; n < M_; ++n) {
+    const int s = topo.rail(n);
+    nh_->rail_num_tokens[n] = tokens_of_[s];
+    if (n == my_node_) continue;
+    const int32_t* tpr = ctx_.counts(s) + ctx_.header(s)->num_counts - R_;
+    for (int d : topo.node_ranks[my_node_]) walk_rail_[s] = walk_rail_[s] || tpr[d] > 0;
+  }
+}
+
+uint32_t DispatchCall::flags_mask(const uint8_t* m) const {
+  uint32_t bits = 0;
+  const std::vector<int>& ranks = inter_->topo.node_ranks[my_node_];
+  for (size_t j = 0; j < ranks.size(); ++j) bits |= static_cast<uint32_t>(m[ranks[j]] != 0) << j;
+  return bits;
+}
+
+// The entries of rail peer s's window w, as its proxy (engine/handle_impl.h).
+void DispatchCall::record_rail(int s, const StagedWindow& win) {
+  const int n = ctx_.node_of(s);
+  std::vector<int32_t>& tokens = nh_->rail_tokens[n];
+  std::vector<int32_t>& ids = nh_->rail_ids[n];
+  std::vector<uint32_t>& masks = nh_->rail_masks[n];
+  for (int64_t e = 0; e < win.count; ++e) {
+    tokens.push_back(static_cast<int32_t>(win.token(e)));
+    const uint8_t* m = win.meta(e);
+    if (K_ == 0) {
+      if (record_masks_) masks.push_back(flags_mask(m));
+      continue;
+    }
+    const size_t at = ids.size();
+    ids.resize(at + K_);
+    std::memcpy(ids.data() + at, m, sizeof(int32_t) * K_);
+    if (record_masks_) masks.push_back(ids_mask(ids.data() + at));
+  }
 }
 
 // Where each of our tokens' rows goes on the receivers in `now`: a cached dispatch reads it in its handle,
@@ -834,6 +904,7 @@ void DispatchCall::pull_entry(int s, int64_t t, const uint8_t* payload, const ui
     if (!m[me_]) return;
     int64_t row = cursor_[s]++;
     o_.copy_payload(row, payload);
+    if (o_.node_mask) o_.node_mask[row] = flags_mask(m);
     o_.src_rank[row] = s;
     o_.src_token[row] = static_cast<int32_t>(t);
     o_.src_slot[row] = -1;
@@ -852,8 +923,10 @@ void DispatchCall::pull_entry(int s, int64_t t, const uint8_t* payload, const ui
   }
   const bool by_expert = in_.order == ReceiveOrder::expert_major;
   int64_t* next = &cursor_[by_expert ? static_cast<size_t>(s) * L_ : static_cast<size_t>(s)];
+  const uint32_t mask = o_.node_mask ? ids_mask(idp) : 0;
   for_each_row(map_, by_expert, idp, K_, me_, next, [&](int64_t row, int k) {
     o_.copy_payload(row, payload);
+    if (o_.node_mask) o_.node_mask[row] = mask;
     // expert_major: the row of slot k (its local expert there, -1 and +0 elsewhere); rank_major: the token's
     // row (every slot whose expert is here).
     if (o_.idx) o_.set_topk(row, idp, wp, static_cast<int64_t>(me_) * L_, L_, by_expert ? k : -1);
@@ -869,6 +942,8 @@ void DispatchCall::pull(int s, int64_t w) {
   const StagedWindow win = StagedWindow::of(ctx_, s, w, geo_, lane_half_, net_meta_, tokens_of_[s]);
   const uint8_t* sx = shared_x_[s];
   if (in_.cached) return pull_cached(s, w, t1, win, sx);
+  if (walk_rail_[s]) record_rail(s, win);
+  if ((*rows_from_)[s] == 0) return;  // read as proxy only
   for (int64_t e = 0; e < win.count; ++e)
     pull_entry(s, win.token(e), sx ? sx + win.token(e) * row_bytes_ : win.payload(e), win.meta(e));
 }
@@ -909,7 +984,10 @@ bool DispatchCall::data_step(bool& progressed) {
   bool all = sender_.step(progressed, [this](int64_t w) { stage(w); }) && push_left_ == 0;
   if (inter_) {
     // As proxy of rail peer s: the ranks of our node that pull from s (its counts say so).
-    auto receives = [&](int s, int d) { return ctx_.counts(s)[ctx_.header(s)->num_counts - R_ + d] > 0; };
+    // (and we, reading its windows for the handle: set_up_records)
+    auto receives = [&](int s, int d) {
+      return ctx_.counts(s)[ctx_.header(s)->num_counts - R_ + d] > 0 || (d == me_ && walk_rail_[s]);
+    };
     auto windows = [&](int s) { return num_windows(tokens_of_[s], W_); };
     all = acks_->step(progressed, receives, windows) && all;
   }

@@ -54,6 +54,18 @@ struct Handle::Impl {
   std::vector<int32_t> send_rows;
   bool pushed = false;  // send_rows hold the placement (every rank pushed its rows in that dispatch)
 
+  // Across nodes, a fresh normal-mode dispatch records what the positional items that need other ranks'
+  // routing are computed from (docs/python.md; all empty otherwise):
+  // - per received row, the ranks of this node its source token goes to: bit j = the node's j-th rank
+  //   (ascending); 0 for PAD and tail rows; empty with more than 32 ranks per node.
+  std::vector<uint32_t> recv_node_mask;
+  // - [M], as proxy of the rail peer on node m (this node: empty): the entries of its dispatch windows this
+  //   node needed, in order: token index, node mask as above (empty with more than 32 ranks per node) and,
+  //   with top-k, its K ids; and that peer's number of tokens (this node: this rank's).
+  std::vector<std::vector<int32_t>> rail_tokens, rail_ids;
+  std::vector<std::vector<uint32_t>> rail_masks;
+  std::vector<int64_t> rail_num_tokens;
+
   // The copies of own token t in canonical order (docs/normal-mode.md): f(slot, holder) per top-k slot k
   // with an expert, ascending (expert_major: slot k, holder the expert's rank), or per destination rank d,
   // ascending (rank_major: slot d, holder d). Slots index [T * slots] arrays such as send_rows.

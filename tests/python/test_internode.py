@@ -3,7 +3,9 @@ of two ranks (ranks_per_node=2, UCX over TCP) gives bitwise identical dispatch o
 rank_major combine of the fed-back rows equal bit for bit (sums of equal values do not depend on the
 partition); expert_major combines agree to f32 rounding (docs/normal-mode.md: partials may associate differently).
 The per-node handle items (send_rdma_head, offset_outer, count_outer) are checked against a loop reference over
-the top-k ids and against where the rows landed."""
+the top-k ids and against where the rows landed; the items built from other ranks' routing
+(recv_rdma_channel_prefix_matrix, recv_src_meta, send_nvl_head, offset_inner) against loops over every rank's
+top-k ids or destinations."""
 import os
 from types import SimpleNamespace
 
@@ -45,13 +47,12 @@ def _body(rank, world):
         assert a[3] == b[3], (order, "list")
         assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5]), (order, "handle sources")
         # The positional layouts across nodes (docs/python.md): items computed from the routing agree with the
-        # one-node handle's; the forwarder-only items say they have no value.
+        # one-node handle's (offset_inner, built from other ranks' routing: _forwarder_items_body).
         h1, h2 = handles
         assert len(h1) == 8 and len(h2) == 9 and h2.item_names[3:5] == ("topk_idx", "topk_weights")
         assert h2[3] is ids and h2[4] is ws and torch.equal(h2[1], h1[4]) and torch.equal(h2[2], h1[5])
         assert torch.equal(h2[0], h1[3])
-        with pytest.raises(epcomm.InvalidUsageError, match="forwarding rank"):
-            h2[5]
+        assert h2.item_names[5] == "offset_inner" and h2[5].shape == (world // 2, ASCEND_MAX_BATCH, E)
         gbl = torch.tensor(h1.num_recv_rows_per_source).cumsum(0).to(torch.int32)
         assert torch.equal(h2.item("recv_gbl_rank_prefix_sum"), gbl)
         assert torch.equal(h1[0][:, rank], gbl), "rank_prefix_matrix column vs the rows received per source"
@@ -155,7 +156,6 @@ def _node_items_body(rank, world):
     ids[1] = torch.tensor([0, E // world, -1])  # two ranks of node 0: it crosses to node 0 once
     ws = torch.rand(T, K, generator=g)
     head, count = _node_reference(ids, E, world, P)
-    forwarder_only = ("recv_rdma_channel_prefix_matrix", "recv_src_meta", "send_nvl_head", "offset_inner")
     for flavor in ("deepep", "ascend"):
         buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_rdma_bytes=16 << 20, ranks_per_node=P,
                             flavor=flavor)
@@ -188,17 +188,127 @@ def _node_items_body(rank, world):
             column = srh[:, m].tolist()
             assert sorted(landed) == [t for t in range(T) if column[t] >= 0], (m, sorted(landed), column)
             assert [column[t] for t in sorted(landed)] == list(range(len(landed))), (m, column)
-        for name in forwarder_only:
-            if name in h.item_names:
-                with pytest.raises(epcomm.InvalidUsageError, match="forwarding rank"):
-                    h[h.item_names.index(name)]
-        assert sum(name in h.item_names for name in forwarder_only) == (3 if flavor == "deepep" else 1)
         buf.destroy()
 
 
 @pytest.mark.parametrize("world", [4])
 def test_node_items_from_routing(world):
     spawn(_node_items_body, world, env={"UCX_TLS": "tcp"})
+
+
+def _rail_entries(dests, rank, P):
+    """Per node m, the tokens of the rail peer there (local index of `rank`) that go to some rank of rank's
+    node, in token order, each with its destination ranks there (a set of local indices)."""
+    a, l = rank // P, rank % P
+    out = []
+    for m in range(len(dests) // P):
+        entries = []
+        for t, ds in enumerate(dests[m * P + l]):
+            here = sorted(d - a * P for d in ds if d // P == a)
+            if here:
+                entries.append((t, here))
+        out.append(entries)
+    return out
+
+
+def _forwarder_reference(dests, ids, rank, P, E, R):
+    """The four items of docs/python.md built from other ranks' routing, by plain loops: dests[s][t] = the
+    destination ranks of token t of rank s, ids[s] its top-k ids (None without top-k)."""
+    a, l, M, L = rank // P, rank % P, R // P, E // R
+    rails = _rail_entries(dests, rank, P)
+    prefix = [len(e) for e in rails]
+    cols = max(P, 8)
+    nvl_head = []
+    for entries in rails:
+        seen = [0] * cols
+        for _, here in entries:
+            row = [-1] * cols
+            for j in here:
+                row[j] = seen[j]
+                seen[j] += 1
+            nvl_head.append(row)
+    inner = None
+    if ids[0] is not None:
+        rows = max([4096] + [len(ids[m * P + l]) for m in range(M)])
+        inner = [[[-1] * E for _ in range(rows)] for _ in range(M)]
+        for m in range(M):
+            X = ids[m * P + l].tolist()
+            for e in range(E):
+                node = (e // L) // P
+                if m != a and node != a:
+                    continue  # only this node's experts in another rail peer's slab
+                before = sum(1 for e2 in range(node * P * L, e) for row in X if e2 in row)
+                seen = 0
+                for t, row in enumerate(X):
+                    if e in row:
+                        inner[m][t][e] = before + seen
+                        seen += 1
+    return prefix, nvl_head, inner
+
+
+def _forwarder_items_body(rank, world, variant):
+    """recv_rdma_channel_prefix_matrix, recv_src_meta, send_nvl_head (DeepEP) and offset_inner (Ascend port) on
+    2 virtual nodes, against the loop reference over every rank's routing. Variants: random top-k; "proxy":
+    rank 0's tokens go only to rank 3, so its rail peer rank 2 receives nothing from it yet must read its
+    windows; "windows": a small num_rdma_bytes, so the rail peers' tokens come in several windows; "no_topk":
+    DeepEP's dispatch with is_token_in_rank alone."""
+    P, E, K, H, T = 2, 4 * world, 3, 16, 37 + 5 * rank
+    M, L = world // P, E // world
+    g = torch.Generator().manual_seed(500 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
+    ids[torch.rand(T, K, generator=g) < 0.3] = -1
+    ids[0] = -1
+    if variant == "proxy" and rank == 0:
+        ids = torch.where(ids >= 0, 3 * L + ids % L, ids)  # rank 3's experts only (distinct within a row)
+        ids[:, 1:] = -1
+    ws = torch.rand(T, K, generator=g)
+    rdma = epcomm.min_rdma_bytes(H * 2, K, world, P) * 4 if variant == "windows" else 16 << 20
+    flavors = ("deepep",) if variant == "no_topk" else ("deepep", "ascend")
+    for flavor in flavors:
+        buf = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=4 << 20, num_rdma_bytes=rdma, ranks_per_node=P,
+                            flavor=flavor)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, E)
+        if variant == "no_topk":
+            _, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+        else:
+            _, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=ws)
+        my_dests = [sorted({int(e) // L for e in row if e >= 0}) for row in ids]
+        dests = gather(my_dests)
+        all_ids = gather(None if variant == "no_topk" else ids.clone())
+        prefix, nvl_head, inner = _forwarder_reference(dests, all_ids, rank, P, E, world)
+        if flavor == "deepep":
+            m_ = h.item("recv_rdma_channel_prefix_matrix")
+            assert h[3] is m_ and m_.shape == (M, 1) and m_.dtype == torch.int32, (m_.shape, m_.dtype)
+            assert m_.reshape(-1).tolist() == prefix, (m_.tolist(), prefix)
+            head = h[9]
+            assert h.item_names[9] == "send_nvl_head" and head.dtype == torch.int32
+            assert head.shape == (sum(prefix), 8), (head.shape, prefix)
+            assert head.tolist() == nvl_head, (head.tolist(), nvl_head)
+            meta = h[7]
+            assert h.item_names[7] == "recv_src_meta"
+            assert meta.shape == (h.num_rows, 8) and meta.dtype == torch.uint8, (meta.shape, meta.dtype)
+            pairs = meta.view(torch.int32).tolist()
+            for row, (s, t) in enumerate(zip(h.recv_src_rank.tolist(), h.recv_src_token.tolist())):
+                want = [-1, 0] if s < 0 else [s // P, sum(1 << (d - (rank // P) * P) for d in dests[s][t]
+                                                          if d // P == rank // P)]
+                assert pairs[row] == want, (row, s, t, pairs[row], want)
+            assert h.num_rows > 0 or variant == "proxy"
+        else:
+            got = h[5]
+            assert h.item_names[5] == "offset_inner"
+            assert got.shape == (M, len(inner[0]), E) and got.dtype == torch.int32, got.shape
+            want = torch.tensor(inner, dtype=torch.int32)
+            bad = (got != want).nonzero().tolist()
+            assert not bad, (len(bad), [(i, got[tuple(i)].item(), want[tuple(i)].item()) for i in bad[:8]])
+        buf.destroy()
+
+
+@pytest.mark.parametrize("variant", ["random", "proxy", "windows", "no_topk"])
+def test_forwarder_items_from_routing(variant):
+    spawn(_forwarder_items_body, 4, variant, env={"UCX_TLS": "tcp"})
 
 
 def test_ascend_outer_items_past_max_batch():
