@@ -23,12 +23,6 @@
 
 namespace epcomm {
 
-// Plain tensor, or pre-quantized (data, scales).
-struct Payload {
-  Tensor data;
-  std::optional<Tensor> scales;
-};
-
 struct BufferOptions {
   int64_t num_nvl_bytes = 0;      // this rank's shared-memory segment; 0 = 64 MiB. Equal on all ranks.
   int64_t num_rdma_bytes = 0;     // internode staging (unused on one node); equal on all ranks.
@@ -67,10 +61,14 @@ struct BufferOptions {
   std::string flavor;
 };
 
+namespace engine {
+struct HandleData;  // the contents (internal: src/engine/handle_impl.h)
+}
+
 // What dispatch leaves for combine and cached re-dispatch. Immutable; tied to the Buffer that made it.
 class Handle {
  public:
-  struct Impl;
+  using Impl = engine::HandleData;
   explicit Handle(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
   ReceiveOrder receive_order() const;
   int64_t num_tokens() const;

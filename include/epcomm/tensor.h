@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,5 +91,11 @@ std::shared_ptr<Allocator> make_caching_allocator(size_t cache_limit_bytes);
 
 // Convenience: a new contiguous tensor from `alloc` (default_allocator() when null).
 Tensor empty(DType dtype, const Shape& shape, Allocator* alloc = nullptr);
+
+// Plain tensor, or pre-quantized (data, scales).
+struct Payload {
+  Tensor data;
+  std::optional<Tensor> scales;
+};
 
 }  // namespace epcomm

@@ -3,6 +3,7 @@
 
 #include "common/check.h"
 #include "engine/handle_impl.h"
+#include "epcomm/buffer.h"
 
 namespace epcomm {
 

@@ -64,7 +64,7 @@ class CombineCall {
   OpContext& ctx_;
   const CombineInput& in_;
   CombineOutput& out_;
-  const Handle::Impl& hd_;
+  const HandleData& hd_;
   const int R_, me_;
   const bool expert_;
   const int K_, L_;

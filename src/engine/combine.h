@@ -14,8 +14,8 @@
 namespace epcomm::engine {
 
 struct CombineInput {
-  const Handle::Impl* handle = nullptr;
-  std::shared_ptr<const Handle> keep_handle;  // keeps `handle` alive until the call completes
+  const HandleData* handle = nullptr;
+  std::shared_ptr<const void> keep_handle;  // keeps `handle` (its Handle) alive until the call completes
   DType dtype = DType::bf16;
   int64_t hidden = 0;          // H'
   const uint8_t* x = nullptr;  // [num_rows, H'] contiguous

@@ -151,7 +151,7 @@ class DirectCombine {
 
   OpContext& ctx_;
   const CombineInput& in_;
-  const Handle::Impl& hd_;
+  const HandleData& hd_;
   const int R_, me_;
   const bool expert_;
   const int K_;

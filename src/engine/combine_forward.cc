@@ -24,9 +24,8 @@ CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t 
   return c;
 }
 
-Hierarchy::Hierarchy(OpContext& ctx, const CombineInput& in, const Handle::Impl& hd,
-                     const CombineGeometry& geo, const CombineLane& cl, int64_t halves, size_t lane_stride,
-                     uint8_t* cx, float* cw)
+Hierarchy::Hierarchy(OpContext& ctx, const CombineInput& in, const HandleData& hd, const CombineGeometry& geo,
+                     const CombineLane& cl, int64_t halves, size_t lane_stride, uint8_t* cx, float* cw)
     : ctx_(ctx),
       in_(in),
       hd_(hd),

@@ -29,7 +29,7 @@ CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t 
 class Hierarchy {
  public:
   // `halves` windows in flight; lane half h starts `h * lane_stride` bytes into the lane's data.
-  Hierarchy(OpContext& ctx, const CombineInput& in, const Handle::Impl& hd, const CombineGeometry& geo,
+  Hierarchy(OpContext& ctx, const CombineInput& in, const HandleData& hd, const CombineGeometry& geo,
             const CombineLane& cl, int64_t halves, size_t lane_stride, uint8_t* cx, float* cw);
 
   // The network must be done with routing_ and the partials before they go, whatever way the call ends.
@@ -145,7 +145,7 @@ class Hierarchy {
 
   OpContext& ctx_;
   const CombineInput& in_;
-  const Handle::Impl& hd_;
+  const HandleData& hd_;
   CombineGeometry geo_;
   CombineLane cl_;
   int64_t halves_ = 1;

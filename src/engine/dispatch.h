@@ -7,10 +7,11 @@
 #include <optional>
 #include <vector>
 
+#include "engine/call_checks.h"
 #include "engine/handle_impl.h"
 #include "engine/op_context.h"
 #include "engine/workers.h"
-#include "epcomm/buffer.h"
+#include "epcomm/tensor.h"
 
 namespace epcomm::engine {
 
@@ -49,12 +50,12 @@ struct DispatchInput {
   const uint8_t* scales = nullptr;   // pre-quantized scales: element (t, c) at scales + (t*st0 + c*st1)*size
   int64_t scale_stride0 = 0, scale_stride1 = 0;
   DType idx_dtype = DType::i64;
-  std::vector<int32_t> ids;                    // [T*K] normalized
-  std::vector<float> weights;                  // [T*K]
-  std::vector<uint8_t> in_rank;                // [T*R]
-  std::vector<int32_t> pairs_per_expert;       // [E]
-  std::vector<int32_t> tokens_per_rank;        // [R]
-  std::shared_ptr<const Handle::Impl> handle;  // cached dispatch
+  std::vector<int32_t> ids;                  // [T*K] normalized
+  std::vector<float> weights;                // [T*K]
+  std::vector<uint8_t> in_rank;              // [T*R]
+  std::vector<int32_t> pairs_per_expert;     // [E]
+  std::vector<int32_t> tokens_per_rank;      // [R]
+  std::shared_ptr<const HandleData> handle;  // cached dispatch
   int32_t chunks[4] = {0, 0, 0, 0};
   Allocator* allocator = nullptr;
   bool poison = false;
@@ -75,18 +76,12 @@ struct DispatchOutput {
   Payload recv_x;
   std::optional<Tensor> recv_topk_idx, recv_topk_weights;
   std::vector<int64_t> list;
-  std::shared_ptr<Handle::Impl> handle;
+  std::shared_ptr<HandleData> handle;
 };
 
 // Runs one dispatch. `on_shapes` is called once the outputs exist (before any payload moves). A fresh
 // dispatch moves the routing of `in` (ids, weights, in_rank) into the handle: they are not copied.
 void run_dispatch(OpContext& ctx, DispatchInput& in, DispatchOutput& out,
                   const std::function<void()>& on_shapes);
-
-// The check every rank runs on all headers: parameters that must match (docs/normal-mode.md).
-void check_headers_match(const OpContext& ctx);
-
-// Adds elapsed microseconds into a cost-statistics tensor ([R] i64, or i32 saturating).
-void add_cost_stats(const Tensor& stats, const std::vector<int64_t>& micros);
 
 }  // namespace epcomm::engine

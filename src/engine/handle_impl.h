@@ -7,11 +7,13 @@
 #include <memory>
 #include <vector>
 
-#include "epcomm/buffer.h"
+#include "epcomm/tensor.h"
+#include "epcomm/types.h"
 
-namespace epcomm {
+namespace epcomm::engine {
 
-struct Handle::Impl {
+// The contents of a dispatch Handle (epcomm/buffer.h: Handle::Impl is this type).
+struct HandleData {
   const void* buffer_key = nullptr;  // identity of the Buffer that made it
   std::weak_ptr<void> buffer_alive;  // expires when that Buffer is destroyed
   // Blocks until the fields above `recv_src_rank` are final (the dispatch's counts are exchanged); throws
@@ -83,4 +85,4 @@ struct Handle::Impl {
   }
 };
 
-}  // namespace epcomm
+}  // namespace epcomm::engine
