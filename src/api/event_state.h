@@ -22,11 +22,7 @@ struct EventState {
     shapes = true;
     cv.notify_all();
   }
-  std::exception_ptr wait() {
-    std::unique_lock<std::mutex> lk(m);
-    cv.wait(lk, [&] { return done; });
-    return err;
-  }
+  std::exception_ptr wait() { return wait_until(&EventState::done); }
   // A dispatch sent every row of this rank (low-latency return_recv_hook).
   void rows_sent() {
     std::lock_guard<std::mutex> lk(m);
@@ -34,15 +30,14 @@ struct EventState {
     cv.notify_all();
   }
   // Waits until this rank's rows are sent or the operation ended; returns the error if it ended with one.
-  std::exception_ptr wait_sent() {
-    std::unique_lock<std::mutex> lk(m);
-    cv.wait(lk, [&] { return sent; });
-    return done ? err : nullptr;
-  }
+  std::exception_ptr wait_sent() { return wait_until(&EventState::sent); }
   // Waits until shapes are known or the operation ended; returns the error if it ended with one.
-  std::exception_ptr wait_shapes() {
+  std::exception_ptr wait_shapes() { return wait_until(&EventState::shapes); }
+  // Waits until `flag` is set (complete() sets every flag); the error once the operation ended with one.
+  // No deadline of its own: the call that sets the flags runs under the engine's deadlines.
+  std::exception_ptr wait_until(bool EventState::*flag) {
     std::unique_lock<std::mutex> lk(m);
-    cv.wait(lk, [&] { return shapes; });
+    cv.wait(lk, [&] { return this->*flag; });
     return done ? err : nullptr;
   }
   bool is_complete() {

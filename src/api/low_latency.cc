@@ -178,9 +178,10 @@ void finish_dispatch(const engine::DispatchOutput& out, LowLatencyOutputs& o) {
   auto* count = o.result.recv_count.data_as<int32_t>();
   auto* range = o.result.layout_range.data_as<int64_t>();
   const int32_t* src = h.recv_src_rank.data_as<int32_t>();
+  std::vector<int64_t> per(o.R);  // rows of expert j from each source
   for (int j = 0; j < o.L; ++j) {
     count[j] = static_cast<int32_t>(h.cnt[j]);
-    std::vector<int64_t> per(o.R, 0);
+    std::fill(per.begin(), per.end(), 0);
     for (int64_t i = 0; i < h.cnt[j]; ++i) {
       const int32_t v = src[j * o.block + i];
       ++per[live.empty() ? v : live[v]];
