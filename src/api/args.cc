@@ -319,6 +319,13 @@ void prepare_cached(const Buffer::Impl& b, const DispatchArgs& a, engine::Dispat
   in.num_worst_tokens = hd.num_worst_tokens;
 }
 
+// The routing the engine takes from a computed layout (is_token_in_rank is moved out of `lay`).
+void take_layout(engine::DispatchInput& in, routing::Layout& lay) {
+  in.pairs_per_expert = lay.num_tokens_per_expert;
+  in.tokens_per_rank = lay.num_tokens_per_rank;
+  in.in_rank = std::move(lay.is_token_in_rank);
+}
+
 // A fresh dispatch with top-k: the ids normalized, the layout computed and checked against the caller's.
 void routing_from_topk(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
                        const routing::ExpertMap& map) {
@@ -358,9 +365,7 @@ void routing_from_topk(const Buffer::Impl& b, const DispatchArgs& a, engine::Dis
     check_dtype(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", {DType::i32, DType::i64});
     check_equal_layout(*a.num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", lay.num_tokens_per_node);
   }
-  in.pairs_per_expert = lay.num_tokens_per_expert;
-  in.tokens_per_rank = lay.num_tokens_per_rank;
-  in.in_rank = std::move(lay.is_token_in_rank);
+  take_layout(in, lay);
 }
 
 // A fresh dispatch without top-k (rank_major): is_token_in_rank gives the routing.
@@ -403,14 +408,9 @@ void routing_from_in_rank(const Buffer::Impl& b, const DispatchArgs& a, engine::
   }
 }
 
-}  // namespace
-
-void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
-                      ReceiveOrder& order) {
-  const int R = b.num_ranks;
-  prepare_common(b, a, in);
-  if (a.handle) return prepare_cached(b, a, in, order);
-  order = a.receive_order.value_or(b.options.receive_order);
+// What every fresh dispatch takes from `a` besides its routing: order, payload format, tokens, alignment.
+void prepare_fresh(const Buffer::Impl& b, const DispatchArgs& a, ReceiveOrder order,
+                   engine::DispatchInput& in) {
   in.order = order;
   select_format(a, in);
   detect_shared_dispatch_input(b, a, in);
@@ -419,6 +419,32 @@ void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::Disp
   in.num_tokens = T;
   in.expert_alignment = a.expert_alignment;
   in.num_worst_tokens = a.num_worst_tokens;
+}
+
+}  // namespace
+
+void prepare_dispatch_from_ids(const Buffer::Impl& b, const DispatchArgs& a, int num_experts, int num_topk,
+                               std::vector<int32_t> ids, engine::DispatchInput& in) {
+  prepare_common(b, a, in);
+  prepare_fresh(b, a, ReceiveOrder::expert_major, in);
+  const int64_t T = in.num_tokens;
+  in.num_experts = num_experts;
+  in.num_topk = num_topk;
+  in.idx_dtype = a.topk_idx ? a.topk_idx->dtype() : DType::i64;
+  in.ids = std::move(ids);
+  in.weights.assign(static_cast<size_t>(T) * num_topk, 0.0f);
+  const routing::ExpertMap map{num_experts, b.num_ranks, num_experts / b.num_ranks};
+  auto lay = routing::compute_layout(in.ids.data(), T, num_topk, map, b.node_of_rank, b.num_nodes);
+  take_layout(in, lay);
+}
+
+void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
+                      ReceiveOrder& order) {
+  const int R = b.num_ranks;
+  prepare_common(b, a, in);
+  if (a.handle) return prepare_cached(b, a, in, order);
+  order = a.receive_order.value_or(b.options.receive_order);
+  prepare_fresh(b, a, order, in);
 
   EPCOMM_CHECK(a.topk_idx.has_value() == a.topk_weights.has_value(),
                "argument: topk_idx and topk_weights must be given together (got topk_idx ",

@@ -94,6 +94,11 @@ void await_launch(const std::shared_ptr<detail::EventState>& st, const std::opti
 // naming the argument, the expected and the actual value (no rank prefix: the caller adds it).
 void prepare_dispatch(const Buffer::Impl& b, const DispatchArgs& a, engine::DispatchInput& in,
                       ReceiveOrder& order);
+// A fresh expert_major dispatch whose top-k ids the caller has normalized and checked (`ids`, [T * K],
+// -1 for none; low-latency mode): no per-expert counts to compare, zero weights, `a` gives x, the format and
+// the statistics (a.topk_idx only its dtype).
+void prepare_dispatch_from_ids(const Buffer::Impl& b, const DispatchArgs& a, int num_experts, int num_topk,
+                               std::vector<int32_t> ids, engine::DispatchInput& in);
 void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::CombineInput& in);
 // The outputs that num_worst_tokens sizes are allocated before the call runs: InvalidUsage unless they
 // fit (below 2^31 rows, within the host's memory).

@@ -102,23 +102,12 @@ void check_dispatch_args(const Buffer::Impl& b, const LowLatencyDispatchArgs& a,
                  "[num_ranks] (DeepEP's code; its docstring's [num_ranks, num_ranks] is not accepted)");
 }
 
-// The normal-mode arguments of the same rows: expert_major, alignment 1, zero weights (combine takes its
-// own), the per-expert counts of the ids.
-DispatchArgs normal_args(const Buffer::Impl& b, const LowLatencyDispatchArgs& a,
-                         const std::vector<int32_t>& ids) {
-  const int64_t T = a.x.size(0);
-  const int K = static_cast<int>(a.topk_idx.size(1));
+// The normal-mode arguments of the same rows that prepare_dispatch_from_ids reads: x, the format, the
+// statistics (the routing comes normalized from check_dispatch_args).
+DispatchArgs normal_args(const LowLatencyDispatchArgs& a) {
   DispatchArgs d;
   d.x.data = a.x;
   d.topk_idx = a.topk_idx;
-  d.topk_weights = b.allocator->allocate(DType::f32, {T, K});
-  if (T > 0) std::memset(d.topk_weights->data(), 0, sizeof(float) * T * K);
-  Tensor counts = b.allocator->allocate(DType::i32, {a.num_experts});
-  auto* c = counts.data_as<int32_t>();
-  std::fill(c, c + a.num_experts, 0);
-  for (int32_t id : ids)
-    if (id >= 0) ++c[id];
-  d.num_tokens_per_expert = counts;
   d.receive_order = ReceiveOrder::expert_major;
   d.dispatch_wait_recv_cost_stats = a.dispatch_wait_recv_cost_stats;
   const QuantMode mode = format_of(a);
@@ -258,8 +247,8 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   try {
     std::vector<int32_t> ids;
     check_dispatch_args(b, a, ids);
-    ReceiveOrder order = ReceiveOrder::expert_major;
-    prepare_dispatch(b, normal_args(b, a, ids), *in, order);
+    prepare_dispatch_from_ids(b, normal_args(a), static_cast<int>(a.num_experts),
+                              static_cast<int>(a.topk_idx.size(1)), std::move(ids), *in);
     o->R = b.num_ranks;
     o->L = a.num_experts / b.num_ranks;
     o->block = a.num_max_dispatch_tokens_per_rank * b.num_ranks;
