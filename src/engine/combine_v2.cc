@@ -19,6 +19,11 @@
 namespace epcomm::engine::v2 {
 namespace {
 
+// Cap of one origin's window (its rows and stamps): a few windows of the host's ranks stay well inside the
+// cache they share (engine/kernels.h, cache_resident_push_bytes). 1 and 4 MiB measured alike at the decode
+// shape, 8 MiB and the whole area 2x slower (docs/performance.md).
+constexpr size_t kWindowBytes = size_t{1} << 20;
+
 // Counts after the params: rows per origin [W], 1 + largest token index per origin [W], rows we expect.
 int count_origin(int /*W*/, int o) {
   return o;
@@ -202,6 +207,7 @@ struct CombineV2Call {
   std::vector<int64_t> tokens_of;
   // plan_windows: windows per origin, filled so far, our next row per origin, ranks that return rows to us.
   int64_t per_window = 0;
+  bool cache_resident = false;  // windows within kWindowBytes: rows written with plain stores
   size_t tags_off = 0;
   std::vector<int64_t> nwin, filled, pos;
   std::vector<uint8_t> contributes;
@@ -253,7 +259,13 @@ void CombineV2Call::exchange_headers() {
 
 // Room for one token's slots, the same check on every rank.
 void CombineV2Call::fit_window() {
-  geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
+  // Windows of at most kWindowBytes, written with plain stores: the origin reduces a window while it is
+  // still in the cache its contributors wrote it to. One window over the whole area (rows to memory with
+  // streaming stores, then read back from there) made the decode shape's combine 2.5x slower.
+  geo = combine_geometry(std::min(ctx.layout().data_bytes, kWindowBytes), wire, slots, sizeof(uint64_t));
+  cache_resident = geo.window >= 1;
+  if (!cache_resident)  // one token's slots exceed the cap
+    geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
   if (inter) {  // a remote origin's window lives in its proxy's lane, and goes back compact into the origin's
     // Each half of a lane's data: the copy window of the mirrored origin (this rank as its proxy), then
     // the rows that node returns for our own window (this rank as origin).
@@ -371,7 +383,7 @@ void CombineV2Call::fill(int o, int64_t w) {
       quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
                                  reinterpret_cast<uint16_t*>(dst + H));
     else
-      copy_row(dst, src, row_bytes);
+      copy_row(dst, src, row_bytes, true, cache_resident);
     const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
     if (stamp_is(old, seq, w))
       EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
