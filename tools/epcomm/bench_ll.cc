@@ -33,6 +33,11 @@ const char* kEpilog =
     "The first iteration is checked outside the timings: every valid row of every local expert equals its\n"
     "source token's row (bf16; the counts for fp8) and combine returns x * sum(w) within calc_diff < 1e-5\n"
     "(bf16) or 3e-3 (fp8).\n\n"
+    "--hook-compute-us US adds a fourth line (op low_latency_dispatch, hook true): a dispatch with\n"
+    "return_recv_hook=True, US microseconds of busy computation on the calling thread, then hook(); its\n"
+    "time runs from the call to the hook's return. compute_us is US; hook_overhead_ratio = (that median - "
+    "US)\n"
+    "/ the hookless dispatch median (the overlap target of docs/low-latency.md: <= 0.2 at US = 1000).\n\n"
     "Bytes (the decode target's formula): pairs received by all ranks x row bytes (codes + scales; combine:\n"
     "H x 2), gbps = bytes / time_us_median / 1e3; memcpy_gbps: every rank memcpy's its share of those bytes\n"
     "at once (the normal-mode bench's measurement; round trip: the dispatch bytes' memcpy then the\n"
@@ -40,7 +45,8 @@ const char* kEpilog =
     "Output: one JSON object per line, fields api, op, flavor, format, hook, zero_copy, ranks, tokens, "
     "hidden,\n"
     "topk, experts, iters, warmup, pairs, row_bytes, bytes, time_us_median, time_us_min, time_us_p99,\n"
-    "time_us_max, first_iter_ratio, p99_ratio, gbps, memcpy_gbps, ratio_to_memcpy, verified.\n\n"
+    "time_us_max, first_iter_ratio, p99_ratio, gbps, memcpy_gbps, ratio_to_memcpy, verified (hook line:\n"
+    "also compute_us, hook_overhead_ratio).\n\n"
     "Exit status: 0 when every check passed, 1 when one failed or a runtime error, 2 a usage error.\n";
 
 enum class LlFormat { bf16, fp8, fp8_pow2, ue8m0 };
@@ -51,6 +57,7 @@ struct LlBenchOptions {
   int topk = 8, experts = 256, iters = 50, warmup = 0;
   LlFormat format = LlFormat::bf16;
   bool zero_copy = false;
+  double hook_compute_us = 0;  // > 0: also time dispatch + this much computation + hook()
   uint64_t seed = 1;
   LaunchFlags launch;
 };
@@ -160,10 +167,28 @@ bool verify(const LlBenchOptions& o, int r, int W, const LowLatencyDispatchResul
   return true;
 }
 
+// The timed operations: dispatch, combine, round trip, and with --hook-compute-us the hooked dispatch.
+constexpr int kHookOp = 3;
+int num_ops(const LlBenchOptions& o) {
+  return o.hook_compute_us > 0 ? 4 : 3;
+}
+
+// Busy work on the calling thread for `us` microseconds (the computation a hook overlaps): a dependent
+// integer recurrence, checked against the clock every 256 steps.
+uint64_t compute_for(double us) {
+  const double until = now_s() + us * 1e-6;
+  uint64_t v = 88172645463325252ull;
+  do
+    for (int i = 0; i < 256; ++i) v ^= v << 13, v ^= v >> 7, v ^= v << 17;
+  while (now_s() < until);
+  return v;
+}
+
 struct Samples {
-  std::vector<double> starts, times;  // [3 ops x iters]: dispatch, combine, round trip
+  std::vector<double> starts, times;  // [num_ops x iters]
   int64_t pairs = 0;                  // pairs this rank received
   bool ok = true;
+  uint64_t sink = 0;  // the computation's result, so that it is not optimized away
 };
 
 LowLatencyCombineArgs combine_args(const LlInputs& in, const LlBenchOptions& o,
@@ -178,7 +203,8 @@ LowLatencyCombineArgs combine_args(const LlInputs& in, const LlBenchOptions& o,
 
 void measure(const LlBenchOptions& o, int r, int W, Buffer& buffer, Bootstrap& bs, const LlInputs& in,
              Samples& s) {
-  s.starts.assign(static_cast<size_t>(3 * o.iters), 0.0);
+  const int nops = num_ops(o);
+  s.starts.assign(static_cast<size_t>(nops * o.iters), 0.0);
   s.times = s.starts;
   const int64_t L = o.experts / W, RT = W * o.tokens;
   Tensor plain = o.zero_copy ? Tensor() : empty(DType::bf16, {L, RT, o.hidden});
@@ -202,9 +228,20 @@ void measure(const LlBenchOptions& o, int r, int W, Buffer& buffer, Bootstrap& b
     buffer.low_latency_combine(
         combine_args(in, o, d2, o.zero_copy ? buffer.low_latency_combine_buffer(*d2.handle) : y));
     const double trt = now_s() - t2;
+    double t3 = 0, th = 0;
+    if (nops > kHookOp) {  // dispatch with a receive hook, the computation, then the hook
+      LowLatencyDispatchArgs ha = in.dispatch;
+      ha.return_recv_hook = true;
+      bs.barrier();
+      t3 = now_s();
+      LowLatencyDispatchResult dh = buffer.low_latency_dispatch(ha);
+      s.sink += compute_for(o.hook_compute_us);
+      dh.event.wait();
+      th = now_s() - t3;
+    }
     if (it < 0) continue;
-    const double starts[3] = {t0, t1, t2}, times[3] = {td, tc, trt};
-    for (int op = 0; op < 3; ++op) {
+    const double starts[4] = {t0, t1, t2, t3}, times[4] = {td, tc, trt, th};
+    for (int op = 0; op < nops; ++op) {
       s.starts[static_cast<size_t>(op * o.iters + it)] = starts[op];
       s.times[static_cast<size_t>(op * o.iters + it)] = times[op];
     }
@@ -213,32 +250,37 @@ void measure(const LlBenchOptions& o, int r, int W, Buffer& buffer, Bootstrap& b
 
 void report(const LlBenchOptions& o, int W, const std::vector<double>& starts,
             const std::vector<double>& times, int64_t pairs, bool verified, const double mgbps[2]) {
-  static const char* kOps[3] = {"low_latency_dispatch", "low_latency_combine", "round_trip"};
+  static const char* kOps[4] = {"low_latency_dispatch", "low_latency_combine", "round_trip",
+                                "low_latency_dispatch"};
+  const int nops = num_ops(o);
+  double hookless_median = 0;
   const int64_t G = o.hidden / 128;
   const int64_t drow = o.format == LlFormat::bf16    ? o.hidden * 2
                        : o.format == LlFormat::ue8m0 ? o.hidden + G
                                                      : o.hidden + 4 * G;
-  for (int op = 0; op < 3; ++op) {
-    const Timing tm = collective_timing(op_slice(starts, W, 3, o.iters, op),
-                                        op_slice(times, W, 3, o.iters, op), W, o.iters, true);
-    const int64_t row = op == 0 ? drow : op == 1 ? o.hidden * 2 : drow + o.hidden * 2;
+  for (int op = 0; op < nops; ++op) {
+    const Timing tm = collective_timing(op_slice(starts, W, nops, o.iters, op),
+                                        op_slice(times, W, nops, o.iters, op), W, o.iters, true);
+    if (op == 0) hookless_median = tm.median;
+    const int64_t row = op == 0 || op == kHookOp ? drow : op == 1 ? o.hidden * 2 : drow + o.hidden * 2;
     const int64_t bytes = pairs * row;
     const double gbps = tm.median > 0 ? static_cast<double>(bytes) / tm.median / 1e3 : 0.0;
     // round trip: a memcpy of the dispatch bytes followed by one of the combine bytes, at the rates measured
     const double m =
-        op < 2 ? mgbps[op]
+        op == kHookOp ? mgbps[0]
+        : op < 2      ? mgbps[op]
         : mgbps[0] > 0 && mgbps[1] > 0
             ? static_cast<double>(bytes) / (pairs * drow / mgbps[0] + pairs * o.hidden * 2 / mgbps[1])
             : 0.0;
     double first = 0;  // the first timed iteration's span over ranks
     for (int s = 0; s < W; ++s)
-      first = std::max(first, times[static_cast<size_t>(s) * 3 * o.iters + op * o.iters]);
+      first = std::max(first, times[static_cast<size_t>(s) * nops * o.iters + op * o.iters]);
     JsonLine j;
     j.add("api", "low-latency")
         .add("op", kOps[op])
         .add("flavor", "deepep")
         .add("format", format_name(o.format));
-    j.add("hook", false)
+    j.add("hook", op == kHookOp)
         .add("zero_copy", o.zero_copy)
         .add("ranks", W)
         .add("tokens", o.tokens)
@@ -249,6 +291,10 @@ void report(const LlBenchOptions& o, int W, const std::vector<double>& starts,
     j.add("first_iter_ratio", tm.median > 0 ? first * 1e6 / tm.median : 0.0, 2);
     j.add("p99_ratio", tm.median > 0 ? tm.p99 / tm.median : 0.0, 2).add("gbps", gbps, 3);
     j.add("memcpy_gbps", m, 3).add("ratio_to_memcpy", m > 0 ? gbps / m : 0.0, 4).add("verified", verified);
+    if (op == kHookOp)  // the overlap target: (call to hook return - computation) / the hookless dispatch
+      j.add("compute_us", o.hook_compute_us, 1)
+          .add("hook_overhead_ratio",
+               hookless_median > 0 ? (tm.median - o.hook_compute_us) / hookless_median : 0.0, 3);
     std::printf("%s\n", j.str().c_str());
   }
   std::fflush(stdout);
@@ -304,6 +350,7 @@ LlBenchOptions parse_ll_options(FlagParser& p) {
              : f == "ue8m0"    ? LlFormat::ue8m0
                                : LlFormat::bf16;
   o.zero_copy = p.on("zero-copy");
+  o.hook_compute_us = static_cast<double>(p.integer("hook-compute-us", 0, 1000000));
   o.seed = static_cast<uint64_t>(p.integer("seed", 0, INT64_MAX));
   o.launch = read_launch_flags(p);
   if (o.hidden % (o.format == LlFormat::ue8m0 ? 512 : 128) != 0)
@@ -332,6 +379,8 @@ int run_bench_ll(int argc, char** argv) {
   p.add("experts", "E", "256", "experts (a multiple of every rank count)");
   p.add("format", "bf16|fp8|fp8_pow2|ue8m0", "bf16", "dispatch format (use_fp8, round_scale, use_ue8m0)");
   p.add_switch("zero-copy", "expert outputs in get_next_low_latency_combine_buffer (read in place)");
+  p.add("hook-compute-us", "US", "0",
+        "also time a dispatch with return_recv_hook, US microseconds of computation, then the hook");
   p.add("iters", "N", "50", "timed iterations");
   p.add("warmup", "N", "0", "untimed iterations first (0: the first call is measured)");
   p.add("seed", "S", "1", "random seed");
