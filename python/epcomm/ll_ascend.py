@@ -60,8 +60,8 @@ class LowLatencyHandle(NamedItems):
 class _Meta:
     """What combine needs from the dispatch besides the handle's items."""
 
-    __slots__ = ("owner", "ids", "mask", "T", "K", "rows", "global_bs", "shared_ranks", "format",
-                 "combine_buffer")
+    __slots__ = ("owner", "ids", "sent_ids", "mask", "masked", "T", "K", "rows", "global_bs", "shared_ranks",
+                 "format", "combine_buffer")
 
 
 class _State:
@@ -113,18 +113,36 @@ def _ranks_per_node(buffer):
     return p if all(buffer.node_of(r) == r // p for r in range(R)) else 0
 
 
-def _check_no_masks(buffer, op):
-    """The operators this flavor runs on (dispatch_v2 / combine_v2) span every rank of their group: rank
-    masks and shrink are the deepep flavor's (docs/low-latency.md, "Masks and shrink")."""
-    masked = getattr(buffer, "enable_shrink", False) or any(buffer._impl.low_latency_query_mask_buffer())
-    if masked:
-        raise InvalidUsageError(f"{_prefix(buffer, op)}rank masks and enable_shrink=True are not available in "
-                                f"flavor 'ascend' (its operators span every rank); the mask methods work, but "
-                                f"low-latency calls need an empty mask and enable_shrink=False")
+def _check_no_shrink(buffer, op):
+    """The operators this flavor runs on (dispatch_v2 / combine_v2) span every rank of their group, so a rank
+    that stopped cannot be left out of a call: shrink is the deepep flavor's (docs/low-latency.md, "Masks and
+    shrink"). Rank masks work (_apply_masks) as long as every rank keeps calling."""
+    if getattr(buffer, "enable_shrink", False):
+        raise InvalidUsageError(f"{_prefix(buffer, op)}enable_shrink=True is not available in flavor 'ascend' "
+                                f"(its operators span every rank, so a stopped rank cannot be left out); rank "
+                                f"masks work while every rank keeps calling")
+
+
+def _apply_masks(buffer, ids, L, shared_ranks, pre):
+    """The ids this rank sends with the Buffer's rank mask (low_latency_update_mask_buffer) applied, and the
+    mask: slots of experts on masked ranks become -1 (absent), and a masked rank sends nothing (all -1). Every
+    rank still takes part in the operators; a masked one receives no rows and combines to +0."""
+    masked = tuple(int(m) for m in buffer._impl.low_latency_query_mask_buffer())
+    if not any(masked):
+        return ids, masked
+    if shared_ranks:
+        raise InvalidUsageError(f"{pre}rank masks with shared expert ranks (EPCOMM_SHARED_EXPERT_RANK_NUM = "
+                                f"{shared_ranks}) are not available in flavor 'ascend'; clear the mask "
+                                f"(low_latency_clean_mask_buffer) or use no shared expert ranks")
+    if masked[buffer.rank]:
+        return torch.full_like(ids, -1), masked
+    live = torch.tensor([not m for m in masked])
+    keep = (ids < 0) | live[ids.clamp(min=0) // L]
+    return torch.where(keep, ids, torch.full_like(ids, -1)), masked
 
 
 def _state(buffer, op):
-    _check_no_masks(buffer, op)
+    _check_no_shrink(buffer, op)
     st = getattr(buffer, "_ll_ascend_state", None)
     if st is None or st.closed:
         if getattr(buffer, "_destroyed", False):
@@ -286,7 +304,8 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         mode, y_dtype = FORMATS[fmt]
 
         ids = topk_idx.clamp(min=-1).to(torch.int32).contiguous()  # a copy: negative ids become -1
-        absent = ids < 0
+        sent, masked = _apply_masks(buffer, ids, L, s_r, pre)
+        absent = sent < 0
         mask = ~absent if bool(absent.any()) else None
 
         send = x
@@ -334,7 +353,7 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             fscales = torch.empty(rows * G, dtype=torch_dtype("e8m0"))
             recv_x, post = (fcodes, fscales), ("fp4", fcodes, fscales)
 
-        kw = dict(x=send, expert_ids=ids, x_active_mask=mask, expert_scales=w, ep_world_size=R, ep_rank_id=rank,
+        kw = dict(x=send, expert_ids=sent, x_active_mask=mask, expert_scales=w, ep_world_size=R, ep_rank_id=rank,
                   moe_expert_num=E, tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
                   shared_expert_num=1 if s_r else 0, shared_expert_rank_num=s_r, quant_mode=mode,
                   global_bs=R * t_max, expert_token_nums_type=0 if prefix_sums else 1, y_dtype=y_dtype,
@@ -342,7 +361,8 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                   expert_token_nums_out=token_nums, ep_recv_counts_out=ep_counts,
                   expand_scales_out=expand_scales if w is not None else None, hccl_buffsize_mb=200)
         meta = _Meta()
-        meta.owner, meta.ids, meta.mask, meta.T, meta.K = st.token, ids, mask, T, K
+        meta.owner, meta.ids, meta.sent_ids, meta.mask, meta.T, meta.K = st.token, ids, sent, mask, T, K
+        meta.masked = masked
         meta.rows, meta.global_bs, meta.shared_ranks, meta.format = rows, R * t_max, s_r, fmt
         meta.combine_buffer = None
         handle = LowLatencyHandle((assist, ep_counts, t_max, H, E, token_nums, expand_scales), meta)
@@ -434,6 +454,12 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
             raise InvalidUsageError(f"{pre}argument: topk_idx: differs from the dispatch's at [{t}, {k}]: "
                                     f"{int(topk_idx[t, k])}, the dispatch had {int(meta.ids[t, k])}")
         w = _weights(topk_weights, T, K, "topk_weights", pre, True)
+        now = tuple(int(m) for m in buffer._impl.low_latency_query_mask_buffer())
+        if now != meta.masked:
+            raise InvalidUsageError(f"{pre}the rank mask changed between this handle's dispatch (masked ranks "
+                                    f"{[r for r, m in enumerate(meta.masked) if m]}) and its combine (now "
+                                    f"{[r for r, m in enumerate(now) if m]}); in flavor 'ascend' the combine "
+                                    f"returns the dispatch's rows: dispatch again under the new mask")
         if zero_copy:
             if meta.combine_buffer is None:
                 raise InvalidUsageError(f"{pre}argument: zero_copy: True, but the combine buffer of this handle "
@@ -458,7 +484,7 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
             result = torch.empty(T, H, dtype=torch.bfloat16)
         target = result if result.is_contiguous() else torch.empty(T, H, dtype=torch.bfloat16)
         s_r = meta.shared_ranks
-        kw = dict(expand_x=src, expert_ids=meta.ids, assist_info_for_combine=handle.src_info,
+        kw = dict(expand_x=src, expert_ids=meta.sent_ids, assist_info_for_combine=handle.src_info,
                   ep_send_counts=handle.layout_range, expert_scales=w, ep_world_size=buffer.num_ranks,
                   ep_rank_id=buffer.rank, moe_expert_num=handle.num_experts, x_active_mask=meta.mask,
                   tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1 if s_r else 0,

@@ -104,12 +104,9 @@ def test_shrink_masks_a_rank_that_never_calls():
 
 def body_no_shrink(rank, R, seed, t_max, H, E, K):
     x, idx = inputs(seed, rank, 3, H, E, K)
-    # Flavor ascend: the mask methods work, a low-latency call with a mask raises (its operators span every
-    # rank).
-    asc = epcomm.Buffer(None, low_latency_mode=True, flavor="ascend")
-    asc.low_latency_update_mask_buffer(1, True)
-    assert mask_of(asc, R) == {1}
-    with pytest.raises(epcomm.InvalidUsageError, match="flavor 'ascend'"):
+    # Flavor ascend: its operators span every rank, so shrink (leaving a stopped rank out) raises.
+    asc = epcomm.Buffer(None, low_latency_mode=True, flavor="ascend", enable_shrink=True)
+    with pytest.raises(epcomm.InvalidUsageError, match="enable_shrink=True is not available in flavor 'ascend'"):
         asc.low_latency_dispatch(x, idx, t_max, E, use_fp8=False)
     buf = epcomm.Buffer(None, low_latency_mode=True, flavor="deepep", timeout_s=1.0)
     if rank == 1:
@@ -118,6 +115,48 @@ def body_no_shrink(rank, R, seed, t_max, H, E, K):
         buf.low_latency_dispatch(x, idx, t_max, E, use_fp8=False)
 
 
-def test_without_shrink_a_missing_rank_is_a_timeout_naming_it_and_ascend_refuses_masks():
+def test_without_shrink_a_missing_rank_is_a_timeout_naming_it_and_ascend_refuses_shrink():
     spawn(body_no_shrink, 2, 7, 4, 128, 4, 2)
 
+
+
+def body_ascend_masks(rank, R):
+    """Flavor ascend, every rank calling: rank 2 masked on every rank sends and receives nothing, pairs to its
+    experts are absent (checked against the ascend reference with those slots -1), it combines to +0; a mask
+    changed between a dispatch and its combine raises."""
+    import ll_reference as ref
+    import test_low_latency_ascend as asc
+    E, K, H, T_max = 6, 2, 128, 4
+    L = E // R
+    xs, ids, ws, ys = asc.make_problem(R, E, K, H, [T_max, 3, T_max], 11)
+    eff = [torch.full_like(i, -1) if s == 2 else torch.where((i >= 0) & (i // L == 2), torch.full_like(i, -1), i)
+           for s, i in enumerate(ids)]
+    buf = asc.new_buffer()
+    buf.low_latency_update_mask_buffer(2, True)
+    assert mask_of(buf, R) == {2}
+    cache = {}
+    for fmt in ("bf16", "int8"):
+        w = ws[rank] if fmt != "int8" else None
+        out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=w,
+                                       quant_mode=None if fmt == "bf16" else fmt, use_fp8=fmt != "bf16")
+        asc.check_dispatch(out, fmt, rank, R, E, K, H, T_max, xs, eff, ws if w is not None else None, cache)
+        if rank == 2:
+            assert out[1].tolist() == [0] * L
+    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
+    rows, _, _ = ref.rows_of(rank, eff, E, R)
+    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
+    y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
+    assert same_bits(y, asc.expect_combine(rank, eff, ws, ys, H)), f"rank {rank}: combine with rank 2 masked"
+    if rank == 2:
+        assert same_bits(y, torch.zeros_like(y))
+    buf.low_latency_update_mask_buffer(0, True)
+    with pytest.raises((epcomm.InvalidUsageError, epcomm.AbortedError), match="rank mask changed"):
+        buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
+    buf.low_latency_clean_mask_buffer()
+    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
+    asc.check_dispatch(out, "bf16", rank, R, E, K, H, T_max, xs, ids, ws, cache)
+    buf.destroy()
+
+
+def test_ascend_masks_with_every_rank_calling():
+    spawn(body_ascend_masks, 3)
