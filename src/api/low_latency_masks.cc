@@ -7,6 +7,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "common/process.h"
 #include "engine/combine.h"
 #include "engine/kernels.h"
 
@@ -40,24 +41,35 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Waits until ready(r) for every r with want[r], or until the deadline; returns the ranks that were ready.
+// A wanted rank whose process is gone (killed, exited; looked at every OpContext::kProcessWatch) is not
+// waited for: it can never arrive. `gone` (optional) gets those ranks.
 template <typename Ready>
 std::vector<uint8_t> wait_for(const engine::OpContext& ctx, const std::vector<uint8_t>& want,
-                              double timeout_s, Ready&& ready) {
+                              double timeout_s, Ready&& ready, std::vector<uint8_t>* gone = nullptr) {
   const Transport& tp = ctx.transport();
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  std::vector<uint8_t> got(want.size(), 0);
+  std::vector<uint8_t> got(want.size(), 0), dead(want.size(), 0);
+  auto next_watch = Clock::now() + engine::OpContext::kProcessWatch;
   while (true) {
     const uint32_t snap = tp.doorbell();
     bool all = true;
     for (size_t r = 0; r < want.size(); ++r) {
-      if (want[r] && !got[r]) got[r] = ready(static_cast<int>(r)) ? 1 : 0;
-      all = all && (!want[r] || got[r]);
+      if (want[r] && !got[r] && !dead[r]) got[r] = ready(static_cast<int>(r)) ? 1 : 0;
+      all = all && (!want[r] || got[r] || dead[r]);
     }
     const auto now = Clock::now();
-    if (all || now >= deadline) return got;
-    tp.wait_doorbell(snap, std::min(deadline, now + std::chrono::milliseconds(100)));
+    if (all || now >= deadline) break;
+    if (now >= next_watch) {
+      next_watch = now + engine::OpContext::kProcessWatch;
+      for (size_t r = 0; r < want.size(); ++r)
+        if (want[r] && !got[r] && tp.peer_process(static_cast<int>(r)) == process::State::gone) dead[r] = 1;
+      continue;
+    }
+    tp.wait_doorbell(snap, std::min({deadline, next_watch, now + std::chrono::milliseconds(100)}));
   }
+  if (gone) *gone = dead;
+  return got;
 }
 
 std::string rank_list(const std::vector<int>& ranks) {
@@ -79,9 +91,10 @@ std::vector<uint8_t> agree_on_mask(engine::OpContext& ctx, std::vector<uint8_t> 
   ctx.control(me)->ll_arrive.store(seq, std::memory_order_release);
   for (int r = 0; r < R; ++r)
     if (want[r]) ctx.transport().notify(r);
-  std::vector<uint8_t> seen = wait_for(ctx, want, timeout_s, [&](int r) {
-    return ctx.control(r)->ll_arrive.load(std::memory_order_acquire) >= seq;
-  });
+  std::vector<uint8_t> dead;
+  std::vector<uint8_t> seen = wait_for(
+      ctx, want, timeout_s,
+      [&](int r) { return ctx.control(r)->ll_arrive.load(std::memory_order_acquire) >= seq; }, &dead);
   seen[me] = 1;
   // Round 2: every rank publishes what it saw; the agreed set is the intersection over the ranks seen.
   engine::Control* c = ctx.control(me);
@@ -97,7 +110,7 @@ std::vector<uint8_t> agree_on_mask(engine::OpContext& ctx, std::vector<uint8_t> 
     return ctx.control(r)->ll_view_seq[slot].load(std::memory_order_acquire) == seq;
   });
   std::vector<uint8_t> agreed = seen;
-  std::vector<int> excluded_me, lost;
+  std::vector<int> excluded_me, lost, lost_gone;
   for (int r = 0; r < R; ++r) {
     if (!want2[r]) continue;
     if (!views[r]) {
@@ -117,11 +130,14 @@ std::vector<uint8_t> agree_on_mask(engine::OpContext& ctx, std::vector<uint8_t> 
   for (int r = 0; r < R; ++r)
     if (!masked[r] && !agreed[r]) {
       masked[r] = 1;
-      lost.push_back(r);
+      (dead[r] ? lost_gone : lost).push_back(r);
     }
   if (!lost.empty())
     EPCOMM_LOG(warn, me, ctx.prefix(), "masked rank(s) ", rank_list(lost), ": missed the deadline of ",
                timeout_s, " s (enable_shrink)");
+  if (!lost_gone.empty())
+    EPCOMM_LOG(warn, me, ctx.prefix(), "masked rank(s) ", rank_list(lost_gone),
+               ": the process is gone (enable_shrink)");
   return masked;
 }
 

@@ -4,10 +4,13 @@
 // scales (support/quant_reference.h), and the canonical f32 weighted sum combine must return, bit for bit.
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <numeric>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "multirank/driver.h"
 #include "multirank/round_trip.h"
@@ -274,4 +277,37 @@ MR_CASE("low_latency_shrink", {false, 3}) {
     check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, R)).combined_x, ref_in,
                    sh, "shrink");
   }
+}
+
+// Shrink with a rank that is killed (SIGKILL) before its dispatch, under a long deadline: the survivors see
+// its process go and mask it at once (docs/low-latency.md, "Masks and shrink"), report the same mask, and
+// complete dispatch and combine without its experts well before the deadline.
+MR_CASE("low_latency_shrink_killed", {true, 3, 2}) {
+  const LlTestShape sh;
+  const int R = ctx.size, E = R * sh.experts_per_rank, L = sh.experts_per_rank;
+  const double timeout = 30.0;
+  Buffer buf(ctx.group, [&] {
+    BufferOptions o = test_options(8 << 20, timeout);
+    o.low_latency_mode = true;
+    return o;
+  }());
+  buf.set_low_latency_shrink(true);
+  const int killed = 2;
+  if (ctx.rank == killed) kill(getpid(), SIGKILL);
+  std::vector<LlRankInputs> all;
+  for (int s = 0; s < R; ++s) all.push_back(inputs_of(7, s, E, sh));
+  LlRankInputs& mine = all[ctx.rank];
+  const std::vector<LlRankInputs> live = without(all, {killed}, L);
+  const auto t0 = std::chrono::steady_clock::now();
+  const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(mine, E, sh, false));
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  REQUIRE(waited < timeout / 3, "masking the killed rank took ", waited, " s (deadline ", timeout, " s)");
+  std::vector<int32_t> want(R, 0);
+  want[killed] = 1;
+  REQUIRE(buf.low_latency_query_mask_buffer() == want, "the killed rank is masked");
+  check_rows(ctx, live, d, sh, false);
+  LlRankInputs ref_in = mine;
+  ref_in.ids = live[ctx.rank].ids;
+  check_combined(buf.low_latency_combine(combine_args(buf, d, mine, sh, ctx.rank, R)).combined_x, ref_in, sh,
+                 "shrink, killed rank");
 }
