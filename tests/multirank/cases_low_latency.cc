@@ -245,17 +245,20 @@ MR_CASE("low_latency_masks", {}) {
                  "after clean");
 }
 
+// A low-latency Buffer for the shrink cases (8 MiB segment, deadline `timeout`).
+static BufferOptions shrink_options(double timeout) {
+  BufferOptions o = test_options(8 << 20, timeout);
+  o.low_latency_mode = true;
+  return o;
+}
+
 // Shrink: the last rank never calls; the survivors mask it in the dispatch's agreement round (after the
 // deadline), all report the same mask, and dispatch and combine complete without its experts.
 MR_CASE("low_latency_shrink", {false, 3}) {
   const LlTestShape sh;
   const int R = ctx.size, E = R * sh.experts_per_rank, L = sh.experts_per_rank;
   const double timeout = 1.0;
-  Buffer buf(ctx.group, [&] {
-    BufferOptions o = test_options(8 << 20, timeout);
-    o.low_latency_mode = true;
-    return o;
-  }());
+  Buffer buf(ctx.group, shrink_options(timeout));
   buf.set_low_latency_shrink(true);
   const int stopped = R - 1;
   if (ctx.rank == stopped) {
@@ -286,11 +289,7 @@ MR_CASE("low_latency_shrink_killed", {true, 3, 2}) {
   const LlTestShape sh;
   const int R = ctx.size, E = R * sh.experts_per_rank, L = sh.experts_per_rank;
   const double timeout = 30.0;
-  Buffer buf(ctx.group, [&] {
-    BufferOptions o = test_options(8 << 20, timeout);
-    o.low_latency_mode = true;
-    return o;
-  }());
+  Buffer buf(ctx.group, shrink_options(timeout));
   buf.set_low_latency_shrink(true);
   const int killed = 2;
   if (ctx.rank == killed) kill(getpid(), SIGKILL);
