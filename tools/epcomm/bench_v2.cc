@@ -35,7 +35,9 @@ const char* kEpilog =
     "within calc_diff < 3e-3 (quantized) or 1e-5.\n\n"
     "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
     "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, launcher, iters, warmup, selections,\n"
-    "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, timing,\n"
+    "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, first_iter_ratio\n"
+    "(the slowest rank's time in the group's first call, before the warm-up, over the median), p99_ratio,\n"
+    "timing,\n"
     "rank_time_us_median, start_skew_us_median, gbps_per_rank,\n"
     "gbps, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes, nodes, network_bytes, network_gbps.\n\n"
     "Byte formula (as the accelerator libraries count it, per (token, expert) selection):\n"
@@ -189,6 +191,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   std::vector<double> net(2,
                           0.0);  // bytes this rank handed to the network per timed call (dispatch, combine)
   Counts counts;
+  std::vector<double> first(2, 0.0);  // this rank's time in the group's first dispatch_v2 and combine_v2
   for (int it = -o.warmup; it < o.iters; ++it) {
     bs.barrier();
     const int64_t n0 = moe::group_network_counters(*group).network_bytes;
@@ -210,6 +213,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
       net[1] += static_cast<double>(n2 - n1) / o.iters;
     }
     if (it == -o.warmup) {  // checked once, outside the timings
+      first = {td, tc};
       counts.rows = n_own;
       int64_t expected = 0;  // selections routed to this rank
       const int L = o.experts / (W - o.shared_ranks);
@@ -247,6 +251,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   const auto all_starts = all_gather_values(bs, starts);
   const bool one_clock = one_host(group->hosts());
   const auto all_net = all_gather_values(bs, net);
+  const auto all_first = all_gather_values(bs, first);
   const auto all_counts = all_gather_values(bs, std::vector<int64_t>{counts.rows, counts.ok});
   bool verified = true;
   for (int s = 0; s < W; ++s) verified = verified && all_counts[2 * s + 1] == 1;
@@ -261,8 +266,11 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
       const int64_t bytes = selections * row_bytes;
       const double med = tm.median;
       const double per = med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0;
-      double net_bytes = 0;  // all ranks, one call
-      for (int s = 0; s < W; ++s) net_bytes += all_net[2 * static_cast<size_t>(s) + op];
+      double net_bytes = 0, first_us = 0;  // all ranks, one call; the slowest rank's first call
+      for (int s = 0; s < W; ++s) {
+        net_bytes += all_net[2 * static_cast<size_t>(s) + op];
+        first_us = std::max(first_us, all_first[2 * static_cast<size_t>(s) + op] * 1e6);
+      }
       JsonLine j;
       j.add("api", "distribute-v2")
           .add("op", op == 0 ? "dispatch_v2" : "combine_v2")
@@ -285,6 +293,8 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("time_us_min", tm.min, 1)
           .add("time_us_p99", tm.p99, 1)
           .add("time_us_max", tm.max, 1)
+          .add("first_iter_ratio", med > 0 ? first_us / med : 0.0, 2)
+          .add("p99_ratio", med > 0 ? tm.p99 / med : 0.0, 2)
           .add("timing", one_clock ? "span" : "slowest_rank")
           .add("rank_time_us_median", tm.rank_median, 1)
           .add("start_skew_us_median", tm.skew_median, 1)
