@@ -2,7 +2,6 @@
 // futex doorbells with a bounded spin so that 8 ranks on 2 cores do not burn CPU.
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -32,12 +31,6 @@
 
 namespace epcomm {
 namespace {
-
-// A spinning waiter yields its core every this many polls (about 6 us here): after a wake-up the scheduler
-// often queues the woken peer behind its waker on the same core, and a waiter that spun its whole budget
-// there held that peer off for the budget (0.5 ms at 20000 polls: the p99 of small calls). With nobody
-// else runnable, sched_yield returns at once.
-constexpr int kYieldEvery = 256;
 
 // The first page of every segment belongs to the transport; the engine gets the rest.
 struct alignas(64) ShmHeader {
@@ -468,7 +461,6 @@ bool ShmTransport::wait_doorbell(uint32_t seen, Clock::time_point until) const {
   for (int i = 0; i < spins; ++i) {
     if (h->doorbell.load(std::memory_order_acquire) != seen) return true;
     EPCOMM_CPU_RELAX();
-    if (i % kYieldEvery == kYieldEvery - 1) sched_yield();
   }
   while (true) {
     auto now = Clock::now();
