@@ -54,9 +54,9 @@ struct EncodeConsts<E2m1> {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 // Each instruction set provides, for W lanes of binary32: loads (bf16, f16, f32), integer and float lane
-// operations, selects, and store_unit, which narrows four vectors of codes (each lane < 256) to 4W bytes.
-// A "unit" is 4W consecutive elements. load_bf16_unit widens bf16 by interleaving with zero words, which is
-// one instruction per vector but leaves the lanes permuted within each 128-bit lane; store_unit with
+// operations, selects, and pack_unit, which narrows four vectors of codes (each lane < 256) to 4W bytes.
+// A "unit" is 4W consecutive elements. widen_raw widens 2W bf16 by interleaving with zero words, which is
+// one instruction per vector but leaves the lanes permuted within each 128-bit lane; pack_unit with
 // kInterleaved undoes exactly that permutation (the saturating packs restore the in-lane order, a final
 // cross-lane permute the rest).
 
@@ -74,13 +74,20 @@ struct Avx512 {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  static void load_bf16_unit(const uint16_t* p, F* v) {
-    const __m512i z = _mm512_setzero_si512();
-    __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 32);
-    v[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x0));
-    v[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x0));
-    v[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x1));
-    v[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x1));
+  // 2W bf16 elements raw, and widened into two vectors (interleaved order).
+  static I load_raw(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static void widen_raw(I x, F* v) {
+    v[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), x));
+    v[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), x));
+  }
+  // max over 16-bit lanes of |x| bit patterns (sign cleared), as binary32 bits.
+  static I abs16(I x) { return _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF)); }
+  static I max_u16(I a, I b) { return _mm512_max_epu16(a, b); }
+  static uint32_t hmax16(I a) {
+    __m256i m = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi16(-1)));  // min of complements
+    return (~static_cast<uint32_t>(_mm_cvtsi128_si32(h)) & 0xFFFFu) << 16;
   }
   static F setf(float f) { return _mm512_set1_ps(f); }
   static I set(uint32_t u) { return _mm512_set1_epi32(static_cast<int>(u)); }
@@ -96,6 +103,13 @@ struct Avx512 {
   }
   static I max_u(I a, I b) { return _mm512_max_epu32(a, b); }
   static uint32_t hmax(I a) { return _mm512_reduce_max_epu32(a); }
+  // (a + c + ((a >> S) & 1)) >> S: the round-to-nearest-even bit as a masked increment.
+  template <int S>
+  static I round_shift(I a, uint32_t c) {
+    __m512i t = _mm512_add_epi32(a, set(c));
+    t = _mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a, set(1u << S)), t, set(1));
+    return _mm512_srli_epi32(t, S);
+  }
   // a < lim ? x : y and a > lim ? x : y, signed lanes.
   static I select_lt(I a, uint32_t lim, I x, I y) {
     return _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, set(lim)), y, x);
@@ -141,14 +155,17 @@ struct Avx2 {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  static void load_bf16_unit(const uint16_t* p, F* v) {
-    const __m256i z = _mm256_setzero_si256();
-    __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x0));
-    v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x0));
-    v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x1));
-    v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x1));
+  static I load_raw(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void widen_raw(I x, F* v) {
+    v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
+    v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+  }
+  static I abs16(I x) { return _mm256_and_si256(x, _mm256_set1_epi16(0x7FFF)); }
+  static I max_u16(I a, I b) { return _mm256_max_epu16(a, b); }
+  static uint32_t hmax16(I a) {
+    __m128i h = _mm_max_epu16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    h = _mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi16(-1)));
+    return (~static_cast<uint32_t>(_mm_cvtsi128_si32(h)) & 0xFFFFu) << 16;
   }
   static F setf(float f) { return _mm256_set1_ps(f); }
   static I set(uint32_t u) { return _mm256_set1_epi32(static_cast<int>(u)); }
@@ -163,6 +180,11 @@ struct Avx2 {
     return _mm256_srli_epi32(a, S);
   }
   static I max_u(I a, I b) { return _mm256_max_epu32(a, b); }
+  template <int S>
+  static I round_shift(I a, uint32_t c) {
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, S), set(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, set(c)), lsb), S);
+  }
   static uint32_t hmax(I a) {
     __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));

@@ -22,8 +22,7 @@ EPCOMM_QUANT_INLINE I encode(F v) {
   using C = EncodeConsts<Fmt>;
   I u = V::bits(v);
   I a = V::band(u, V::set(0x7FFFFFFFu));
-  I lsb = V::band(V::srl<C::kShift>(a), V::set(1));
-  I normal = V::srl<C::kShift>(V::add(V::add(a, V::set(C::kRound - C::kBias)), lsb));
+  I normal = V::template round_shift<C::kShift>(a, C::kRound - C::kBias);
   // The adder rounds to the subnormal step; the code is in the low bits of the sum (the magic's are 0).
   I sub = V::bits(V::addf(V::as_float(a), V::setf(C::magic())));
   I r = V::select_lt(a, C::kSubBelow, sub, normal);
@@ -31,11 +30,13 @@ EPCOMM_QUANT_INLINE I encode(F v) {
   return V::bitselect(C::kKeep, r, V::srl<C::kSignShift>(u));
 }
 
-// The row's elements unit by unit: bf16 without per-element smoothing in interleaved lane order.
+// The row's elements unit by unit: bf16 without per-element smoothing in interleaved lane order. Plain bf16
+// (kRaw) also offers the raw words, whose amax needs half the instructions.
 template <class R>
 struct Loader {
   static constexpr bool kInterleaved =
       std::is_same_v<decltype(R::src), Bf16Src> && !std::is_same_v<decltype(R::sm), VectorSmooth>;
+  static constexpr bool kRaw = std::is_same_v<decltype(R::src), Bf16Src> && std::is_same_v<decltype(R::sm), NoSmooth>;
   R r;
   EPCOMM_QUANT_INLINE F load(int64_t i) const {
     if constexpr (std::is_same_v<decltype(R::src), Bf16Src>)
@@ -46,9 +47,10 @@ struct Loader {
       return V::load_f32(r.src.p + i);
   }
   EPCOMM_QUANT_INLINE void unit(int64_t i, F* v) const {
-    if constexpr (kInterleaved)
-      V::load_bf16_unit(r.src.p + i, v);
-    else
+    if constexpr (kInterleaved) {
+      V::widen_raw(V::load_raw(r.src.p + i), v);
+      V::widen_raw(V::load_raw(r.src.p + i + 2 * kW), v + 2);
+    } else
       for (int k = 0; k < 4; ++k) v[k] = load(i + k * kW);
     if constexpr (std::is_same_v<decltype(R::sm), ScalarSmooth>) {
       F c = V::setf(r.sm.c);
@@ -88,11 +90,23 @@ EPCOMM_QUANT_INLINE int64_t grouped(R r, int64_t n, uint8_t* out, Step step) {
   for (; b + kSpan <= n; b += kSpan) {
     F v[kSpan / kW];
     I c[kSpan / kW];
-    for (int u = 0; u < kUnits; ++u) ld.unit(b + u * kUnit, v + 4 * u);
-    for (int g = 0; g < kSpan / G; ++g) {
-      const F* vg = v + g * kPerGroup;
-      step_codes<Fmt, kSat>(vg, kPerGroup, step(b / G + g, V::hmax(abs_max(vg, kPerGroup))), c + g * kPerGroup);
+    uint32_t m[kSpan / G];
+    if constexpr (Loader<R>::kRaw) {  // each group's amax over its raw words, then the widening
+      constexpr int kRawPerGroup = kPerGroup / 2;
+      I raw[kSpan / kW / 2];
+      for (int k = 0; k < kSpan / kW / 2; ++k) raw[k] = V::load_raw(r.src.p + b + 2 * kW * k);
+      for (int g = 0; g < kSpan / G; ++g) {
+        I mg = V::abs16(raw[g * kRawPerGroup]);
+        for (int k = 1; k < kRawPerGroup; ++k) mg = V::max_u16(mg, V::abs16(raw[g * kRawPerGroup + k]));
+        m[g] = V::hmax16(mg);
+      }
+      for (int k = 0; k < kSpan / kW / 2; ++k) V::widen_raw(raw[k], v + 2 * k);
+    } else {
+      for (int u = 0; u < kUnits; ++u) ld.unit(b + u * kUnit, v + 4 * u);
+      for (int g = 0; g < kSpan / G; ++g) m[g] = V::hmax(abs_max(v + g * kPerGroup, kPerGroup));
     }
+    for (int g = 0; g < kSpan / G; ++g)
+      step_codes<Fmt, kSat>(v + g * kPerGroup, kPerGroup, step(b / G + g, m[g]), c + g * kPerGroup);
     for (int u = 0; u < kUnits; ++u) {
       I bytes = V::template pack_unit<Loader<R>::kInterleaved>(c + 4 * u);
       if constexpr (kPacked)
