@@ -154,7 +154,6 @@ EPCOMM_QUANT_INLINE void visit_fp8(Fp8Format fmt, Fn&& f) {
     f(E5m2{});
 }
 
-
 // ---- §3.2 ----
 
 template <class R>

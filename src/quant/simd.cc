@@ -125,8 +125,8 @@ struct Avx512 {
     if constexpr (kInterleaved)
       return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), p);
     else
-      return _mm512_permutexvar_epi32(
-          _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), p);
+      return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                      p);
   }
   static void store_bytes(uint8_t* p, I b) { _mm512_storeu_si512(p, b); }
   // Byte pairs (c0, c1), each < 16, to c0 | c1 << 4: 2W bytes.
@@ -191,8 +191,12 @@ struct Avx2 {
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
     return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
   }
-  static I select_lt(I a, uint32_t lim, I x, I y) { return _mm256_blendv_epi8(y, x, _mm256_cmpgt_epi32(set(lim), a)); }
-  static I select_gt(I a, uint32_t lim, I x, I y) { return _mm256_blendv_epi8(y, x, _mm256_cmpgt_epi32(a, set(lim))); }
+  static I select_lt(I a, uint32_t lim, I x, I y) {
+    return _mm256_blendv_epi8(y, x, _mm256_cmpgt_epi32(set(lim), a));
+  }
+  static I select_gt(I a, uint32_t lim, I x, I y) {
+    return _mm256_blendv_epi8(y, x, _mm256_cmpgt_epi32(a, set(lim)));
+  }
   static I bitselect(uint32_t keep, I x, I y) {
     const __m256i k = set(keep);
     return _mm256_or_si256(_mm256_and_si256(k, x), _mm256_andnot_si256(k, y));

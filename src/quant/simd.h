@@ -19,7 +19,8 @@ struct Fp8KernelSet {
                     float* scale);
   void (*per_group128_a3)(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c,
                           uint8_t* codes, float* scales);
-  void (*mx)(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n, uint8_t* codes, uint8_t* scales);
+  void (*mx)(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n, uint8_t* codes,
+             uint8_t* scales);
 };
 
 // The sets this CPU runs, best first: "avx512" (AVX-512 F and BW), "avx2" (x86-64-v3), then "portable".

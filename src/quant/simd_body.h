@@ -36,7 +36,8 @@ template <class R>
 struct Loader {
   static constexpr bool kInterleaved =
       std::is_same_v<decltype(R::src), Bf16Src> && !std::is_same_v<decltype(R::sm), VectorSmooth>;
-  static constexpr bool kRaw = std::is_same_v<decltype(R::src), Bf16Src> && std::is_same_v<decltype(R::sm), NoSmooth>;
+  static constexpr bool kRaw =
+      std::is_same_v<decltype(R::src), Bf16Src> && std::is_same_v<decltype(R::sm), NoSmooth>;
   R r;
   EPCOMM_QUANT_INLINE F load(int64_t i) const {
     if constexpr (std::is_same_v<decltype(R::src), Bf16Src>)
@@ -199,9 +200,8 @@ void per_token(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothin
 
 template <class Fmt, bool kRceil, class R>
 EPCOMM_QUANT_INLINE void mx_t(R r, int64_t n, uint8_t* codes, uint8_t* scales) {
-  auto step = [scales](int64_t g, uint32_t m) EPCOMM_QUANT_LAMBDA_INLINE {
-    return mx_step<Fmt, kRceil>(m, scales + g);
-  };
+  auto step = [scales](int64_t g, uint32_t m)
+                  EPCOMM_QUANT_LAMBDA_INLINE { return mx_step<Fmt, kRceil>(m, scales + g); };
   if constexpr (std::is_same_v<Fmt, E2m1>) {
     int64_t b = grouped<Fmt, 32, true, true>(r, n, codes, step);
     mxfp4_quantize<kRceil>(Shifted<R>{r, b}, n - b, codes + b / 2, scales + b / 32);

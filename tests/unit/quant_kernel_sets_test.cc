@@ -50,15 +50,17 @@ uint32_t element(Rng& rng, int kind, int e) {
     case 1:  // around 2^(e-127), mantissas with few bits set (exact ties after power-of-two scaling)
       return sign | (static_cast<uint32_t>(e - static_cast<int>(rng.below(4))) << 23) | (frac & 0x7F0000u);
     case 2:  // one large element, the rest 2^-10..2^-30 of it: fp8 subnormals and underflow
-      return rng.below(32) == 0 ? sign | (static_cast<uint32_t>(e) << 23) | frac
-                                : sign | (static_cast<uint32_t>(e - 10 - static_cast<int>(rng.below(20))) << 23) |
-                                      (frac & 0x7F8000u);
+      return rng.below(32) == 0
+                 ? sign | (static_cast<uint32_t>(e) << 23) | frac
+                 : sign | (static_cast<uint32_t>(e - 10 - static_cast<int>(rng.below(20))) << 23) |
+                       (frac & 0x7F8000u);
     case 3:  // ±0 and fp32 subnormals
       return rng.below(2) ? sign : sign | (frac >> rng.below(23));
     case 4:  // tiny normals: amax below the 1e-4 floor
       return sign | (static_cast<uint32_t>(100 + rng.below(20)) << 23) | frac;
     case 5: {  // one special value among normals
-      const uint32_t specials[] = {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u, 0xFFC00001u, 0x7F7FFFFFu};
+      const uint32_t specials[] = {0x7F800000u, 0xFF800000u, 0x7FC00000u,
+                                   0x7F800001u, 0xFFC00001u, 0x7F7FFFFFu};
       return rng.below(32) == 0 ? specials[rng.below(6)] : sign | (static_cast<uint32_t>(e) << 23) | frac;
     }
     default:  // wide: each element at its own scale
@@ -91,13 +93,14 @@ std::vector<uint8_t> as_dtype(const std::vector<uint32_t>& v, DType dt) {
       h = static_cast<uint16_t>(v[i] >> 16);
     else  // f16: a value from the bits' top half scaled into range, or the bits themselves (NaN/Inf, sNaN)
       h = static_cast<uint16_t>((v[i] & 0x7C000000u) == 0x7C000000u ? v[i] >> 16
-                                                                        : q::to_fp16_bits(f32(v[i]) * 0x1p-100f));
+                                                                    : q::to_fp16_bits(f32(v[i]) * 0x1p-100f));
     std::memcpy(out.data() + 2 * i, &h, 2);
   }
   return out;
 }
 
-const int64_t kLengths[] = {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 96, 127, 128, 129, 200, 256, 384, 1000, 7168};
+const int64_t kLengths[] = {0,  1,   15,  16,  17,  31,  32,  33,   63,  64,
+                            96, 127, 128, 129, 200, 256, 384, 1000, 7168};
 const DType kDtypes[] = {DType::bf16, DType::f16, DType::f32};
 
 // Runs `call(set, dtype, row, n, smoothing, out)` for every set and compares its output (codes then scales,
@@ -111,7 +114,8 @@ void compare_sets(const std::string& what, uint64_t seed, bool smoothing, Call c
     for (int64_t n : kLengths) {
       const std::vector<uint32_t> bits = adversarial_row(rng, n);
       std::vector<float> cvec(static_cast<size_t>(n) + 16);
-      for (float& c : cvec) c = f32((static_cast<uint32_t>(110 + rng.below(34)) << 23) | (rng.next() & 0x7FFFFFu));
+      for (float& c : cvec)
+        c = f32((static_cast<uint32_t>(110 + rng.below(34)) << 23) | (rng.next() & 0x7FFFFFu));
       const Smoothing all[] = {Smoothing::none(), Smoothing::scalar(cvec[0]), Smoothing::vector(cvec.data())};
       for (DType dt : kDtypes)
         for (int k = 0; k < (smoothing ? 3 : 1); ++k) {
@@ -154,39 +158,44 @@ TEST(QuantKernelSets, Fp8PerGroup128EveryVariant) {
   for (Fp8Format fmt : {Fp8Format::e4m3, Fp8Format::e5m2})
     for (const q::Group128Options& o : variants)
       // The scales at an odd offset after the codes (fp32 scales may sit unaligned in packed records).
-      compare_sets(std::string("fp8_per_group128 ") + fmt_name(fmt) + (o.ue8m0 ? " ue8m0" : o.pow2_scale ? " pow2" : ""),
+      compare_sets(std::string("fp8_per_group128 ") + fmt_name(fmt) +
+                       (o.ue8m0        ? " ue8m0"
+                        : o.pow2_scale ? " pow2"
+                                       : ""),
                    1 + o.pow2_scale + 2 * o.ue8m0, true,
-                   [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing& c, uint8_t* out) {
-                     s.per_group128(fmt, dt, x, n, c, out, out + n + 1, o);
-                   });
+                   [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing& c,
+                       uint8_t* out) { s.per_group128(fmt, dt, x, n, c, out, out + n + 1, o); });
 }
 
 TEST(QuantKernelSets, Fp8PerTokenAndPerGroup128A3) {
   for (Fp8Format fmt : {Fp8Format::e4m3, Fp8Format::e5m2}) {
-    compare_sets(std::string("fp8_per_token ") + fmt_name(fmt), 10, true,
-                 [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing& c, uint8_t* out) {
-                   float scale;
-                   s.per_token(fmt, dt, x, n, c, out, &scale);
-                   std::memcpy(out + n, &scale, 4);
-                 });
-    compare_sets(std::string("fp8_per_group128_a3 ") + fmt_name(fmt), 11, true,
-                 [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing& c, uint8_t* out) {
-                   std::vector<float> scales(static_cast<size_t>((n + 127) / 128));
-                   s.per_group128_a3(fmt, dt, x, n, c, out, scales.data());
-                   std::memcpy(out + n, scales.data(), 4 * scales.size());
-                 });
+    compare_sets(
+        std::string("fp8_per_token ") + fmt_name(fmt), 10, true,
+        [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing& c, uint8_t* out) {
+          float scale;
+          s.per_token(fmt, dt, x, n, c, out, &scale);
+          std::memcpy(out + n, &scale, 4);
+        });
+    compare_sets(
+        std::string("fp8_per_group128_a3 ") + fmt_name(fmt), 11, true,
+        [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing& c, uint8_t* out) {
+          std::vector<float> scales(static_cast<size_t>((n + 127) / 128));
+          s.per_group128_a3(fmt, dt, x, n, c, out, scales.data());
+          std::memcpy(out + n, scales.data(), 4 * scales.size());
+        });
   }
 }
 
 TEST(QuantKernelSets, MxEveryElementAndRule) {
   for (MxElem e : {MxElem::e4m3, MxElem::e5m2, MxElem::e2m1})
     for (ScaleRule rule : {ScaleRule::floor, ScaleRule::rceil})
-      compare_sets("mx " + std::to_string(static_cast<int>(e)) + (rule == ScaleRule::rceil ? " rceil" : " floor"),
-                   20 + static_cast<int>(e), false,
-                   [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing&, uint8_t* out) {
-                     if (e == MxElem::e2m1 && n % 2) return;  // packed codes need an even length
-                     s.mx(e, rule, dt, x, n, out, out + n);
-                   });
+      compare_sets(
+          "mx " + std::to_string(static_cast<int>(e)) + (rule == ScaleRule::rceil ? " rceil" : " floor"),
+          20 + static_cast<int>(e), false,
+          [&](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing&, uint8_t* out) {
+            if (e == MxElem::e2m1 && n % 2) return;  // packed codes need an even length
+            s.mx(e, rule, dt, x, n, out, out + n);
+          });
 }
 
 }  // namespace
