@@ -6,50 +6,26 @@
 
 #include "common/check.h"
 #include "quant/kernels.h"
+#include "quant/simd.h"
 
 namespace epcomm::quant {
 namespace {
 
 using namespace kernels;
 
-// Calls f(row) with the Row type matching (in, smoothing): the single dispatch point of every quantizer.
-template <class F>
-EPCOMM_QUANT_INLINE void with_row(DType in, const void* x, const Smoothing& c, F&& f) {
-  auto with_src = [&](auto src) EPCOMM_QUANT_LAMBDA_INLINE {
-    switch (c.kind()) {
-      case Smoothing::Kind::none:
-        f(Row<decltype(src), NoSmooth>{src, {}});
-        return;
-      case Smoothing::Kind::scalar:
-        f(Row<decltype(src), ScalarSmooth>{src, {c.scalar_value()}});
-        return;
-      case Smoothing::Kind::vector:
-        EPCOMM_CHECK(c.vector_data() != nullptr, "smoothing: vector smoothing needs a non-null pointer");
-        f(Row<decltype(src), VectorSmooth>{src, {c.vector_data()}});
-        return;
-    }
-  };
-  switch (in) {
-    case DType::bf16:
-      with_src(Bf16Src{static_cast<const uint16_t*>(x)});
-      return;
-    case DType::f16:
-      with_src(F16Src{static_cast<const uint16_t*>(x)});
-      return;
-    case DType::f32:
-      with_src(F32Src{static_cast<const float*>(x)});
-      return;
-    default:
-      EPCOMM_THROW(InvalidUsage, "x dtype: expected bf16, f16 or f32, got ", dtype_name(in));
-  }
+// Throws for an input dtype or smoothing the quantizers do not take.
+void check_row(DType in, const Smoothing& c) {
+  EPCOMM_CHECK(in == DType::bf16 || in == DType::f16 || in == DType::f32,
+               "x dtype: expected bf16, f16 or f32, got ", dtype_name(in));
+  EPCOMM_CHECK(c.kind() != Smoothing::Kind::vector || c.vector_data() != nullptr,
+               "smoothing: vector smoothing needs a non-null pointer");
 }
 
+// Calls f(row) with the Row type matching (in, smoothing), after checking them.
 template <class F>
-EPCOMM_QUANT_INLINE void with_fp8(Fp8Format fmt, F&& f) {
-  if (fmt == Fp8Format::e4m3)
-    f(E4m3{});
-  else
-    f(E5m2{});
+EPCOMM_QUANT_INLINE void with_row(DType in, const void* x, const Smoothing& c, F&& f) {
+  check_row(in, c);
+  visit_row(in, x, c, f);
 }
 
 void check_n(int64_t n) {
@@ -70,25 +46,26 @@ EPCOMM_QUANT_CLONES void int8_per_token_950(DType in, const void* x, int64_t n, 
   with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE { kernels::int8_per_token_950(r, n, q, scale); });
 }
 
-EPCOMM_QUANT_CLONES void fp8_per_token(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c,
-                                       uint8_t* codes, float* scale) {
-  check_n(n);
-  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
+namespace {
+
+// ---- the portable fp8 and MX loops (simd.h's "portable" set); the arguments are checked ----
+
+EPCOMM_QUANT_CLONES void fp8_per_token_portable(Fp8Format fmt, DType in, const void* x, int64_t n,
+                                                const Smoothing& c, uint8_t* codes, float* scale) {
+  visit_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
-    with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
+    visit_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
       kernels::fp8_per_token_range<F>(r, 0, n, codes, scale);
     });
   });
 }
 
-EPCOMM_QUANT_CLONES void fp8_per_group128(Fp8Format fmt, DType in, const void* x, int64_t n,
-                                          const Smoothing& c, uint8_t* codes, void* scales,
-                                          Group128Options options) {
-  check_n(n);
-  EPCOMM_CHECK(!options.ue8m0 || options.pow2_scale, "fp8_per_group128: ue8m0 requires pow2_scale");
-  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
+EPCOMM_QUANT_CLONES void fp8_per_group128_portable(Fp8Format fmt, DType in, const void* x, int64_t n,
+                                                   const Smoothing& c, uint8_t* codes, void* scales,
+                                                   Group128Options options) {
+  visit_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
-    with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
+    visit_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
       if (options.ue8m0)
         kernels::fp8_per_group128<F, true, true>(r, n, codes, scales);
       else if (options.pow2_scale)
@@ -99,21 +76,19 @@ EPCOMM_QUANT_CLONES void fp8_per_group128(Fp8Format fmt, DType in, const void* x
   });
 }
 
-EPCOMM_QUANT_CLONES void fp8_per_group128_a3(Fp8Format fmt, DType in, const void* x, int64_t n,
-                                             const Smoothing& c, uint8_t* codes, float* scales) {
-  check_n(n);
-  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
+EPCOMM_QUANT_CLONES void fp8_per_group128_a3_portable(Fp8Format fmt, DType in, const void* x, int64_t n,
+                                                      const Smoothing& c, uint8_t* codes, float* scales) {
+  visit_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
-    with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
+    visit_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
       kernels::fp8_per_group128_a3<F>(r, n, codes, scales);
     });
   });
 }
 
-EPCOMM_QUANT_CLONES void mx_quantize(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n,
-                                     uint8_t* codes, uint8_t* scales) {
-  check_n(n);
-  with_row(in, x, Smoothing::none(), [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
+EPCOMM_QUANT_CLONES void mx_quantize_portable(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n,
+                                              uint8_t* codes, uint8_t* scales) {
+  visit_row(in, x, Smoothing::none(), [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE {
     bool rc = rule == ScaleRule::rceil;
     switch (elem) {
       case MxElem::e4m3:
@@ -125,13 +100,56 @@ EPCOMM_QUANT_CLONES void mx_quantize(MxElem elem, ScaleRule rule, DType in, cons
            : kernels::mx_quantize<E5m2, false>(r, n, codes, scales);
         return;
       case MxElem::e2m1:
-        EPCOMM_CHECK(n % 2 == 0,
-                     "mxfp4_e2m1: the row length must be even to pack two codes per byte (n = ", n, ")");
         rc ? kernels::mxfp4_quantize<true>(r, n, codes, scales)
            : kernels::mxfp4_quantize<false>(r, n, codes, scales);
         return;
     }
   });
+}
+
+// The best set this CPU runs (simd.h), chosen once.
+const Fp8KernelSet& best_fp8() {
+  static const Fp8KernelSet k = fp8_kernel_sets().front();
+  return k;
+}
+
+}  // namespace
+
+Fp8KernelSet portable_fp8_kernels() {
+  return {"portable", fp8_per_group128_portable, fp8_per_token_portable, fp8_per_group128_a3_portable,
+          mx_quantize_portable};
+}
+
+void fp8_per_token(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes,
+                   float* scale) {
+  check_n(n);
+  check_row(in, c);
+  best_fp8().per_token(fmt, in, x, n, c, codes, scale);
+}
+
+void fp8_per_group128(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes,
+                      void* scales, Group128Options options) {
+  check_n(n);
+  EPCOMM_CHECK(!options.ue8m0 || options.pow2_scale, "fp8_per_group128: ue8m0 requires pow2_scale");
+  check_row(in, c);
+  best_fp8().per_group128(fmt, in, x, n, c, codes, scales, options);
+}
+
+void fp8_per_group128_a3(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c,
+                         uint8_t* codes, float* scales) {
+  check_n(n);
+  check_row(in, c);
+  best_fp8().per_group128_a3(fmt, in, x, n, c, codes, scales);
+}
+
+void mx_quantize(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n, uint8_t* codes,
+                 uint8_t* scales) {
+  check_n(n);
+  check_row(in, Smoothing::none());
+  if (elem == MxElem::e2m1)
+    EPCOMM_CHECK(n % 2 == 0, "mxfp4_e2m1: the row length must be even to pack two codes per byte (n = ", n,
+                 ")");
+  best_fp8().mx(elem, rule, in, x, n, codes, scales);
 }
 
 EPCOMM_QUANT_CLONES void int8_static(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q) {
@@ -163,7 +181,7 @@ EPCOMM_QUANT_CLONES void dequant_int8_per_token(const int8_t* q, float scale, in
 
 EPCOMM_QUANT_CLONES void dequant_fp8_per_token(Fp8Format fmt, const uint8_t* codes, float scale, int64_t n,
                                                float* out) {
-  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
+  visit_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
     for (int64_t i = 0; i < n; ++i) out[i] = F::decode(codes[i]) * scale;
   });
@@ -171,7 +189,7 @@ EPCOMM_QUANT_CLONES void dequant_fp8_per_token(Fp8Format fmt, const uint8_t* cod
 
 EPCOMM_QUANT_CLONES void dequant_fp8_per_group128(Fp8Format fmt, const uint8_t* codes, const void* scales,
                                                   int64_t n, float* out, bool ue8m0) {
-  with_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
+  visit_fp8(fmt, [&](auto f) EPCOMM_QUANT_LAMBDA_INLINE {
     using F = decltype(f);
     for (int64_t b = 0, g = 0; b < n; b += 128, ++g) {
       int64_t e = b + 128 < n ? b + 128 : n;

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/target_clones.h"
+#include "quant/block.h"
 #include "quant/element.h"
 
 // Only block.cc includes this header. Every loop body is straight-line: loads, binary32 multiplies/divides,
@@ -72,6 +73,36 @@ struct Row {
   EPCOMM_QUANT_INLINE float operator()(int64_t i) const { return sm(src[i], i); }
 };
 
+// Calls f(row) with the Row type matching (in, smoothing). The caller has checked the arguments
+// (check_row in block.cc): any dtype other than bf16 and f16 reads f32. (No lambdas here: a lambda of this
+// header would be compiled for the baseline ISA and could not inline a vector kernel's f.)
+template <class S, class Fn>
+EPCOMM_QUANT_INLINE void visit_smoothing(S src, const Smoothing& c, Fn&& f) {
+  if (c.kind() == Smoothing::Kind::vector)
+    f(Row<S, VectorSmooth>{src, {c.vector_data()}});
+  else if (c.kind() == Smoothing::Kind::scalar)
+    f(Row<S, ScalarSmooth>{src, {c.scalar_value()}});
+  else
+    f(Row<S, NoSmooth>{src, {}});
+}
+template <class Fn>
+EPCOMM_QUANT_INLINE void visit_row(DType in, const void* x, const Smoothing& c, Fn&& f) {
+  if (in == DType::bf16)
+    visit_smoothing(Bf16Src{static_cast<const uint16_t*>(x)}, c, f);
+  else if (in == DType::f16)
+    visit_smoothing(F16Src{static_cast<const uint16_t*>(x)}, c, f);
+  else
+    visit_smoothing(F32Src{static_cast<const float*>(x)}, c, f);
+}
+
+// Row r from element b on.
+template <class R>
+struct Shifted {
+  R r;
+  int64_t b;
+  EPCOMM_QUANT_INLINE float operator()(int64_t i) const { return r(i + b); }
+};
+
 // max |xf_i| over [b, e) as binary32 bits (>= kInfBits: the range holds a NaN or ±Inf).
 template <class R>
 EPCOMM_QUANT_INLINE uint32_t amax_bits(R r, int64_t b, int64_t e) {
@@ -115,6 +146,14 @@ struct E2m1 {
   EPCOMM_QUANT_INLINE static float decode(uint8_t c) { return decode_e2m1(c); }
 };
 
+template <class Fn>
+EPCOMM_QUANT_INLINE void visit_fp8(Fp8Format fmt, Fn&& f) {
+  if (fmt == Fp8Format::e4m3)
+    f(E4m3{});
+  else
+    f(E5m2{});
+}
+
 // ---- §3.2 ----
 
 template <class R>
@@ -153,23 +192,41 @@ EPCOMM_QUANT_INLINE void int8_per_token_950(R r, int64_t n, int8_t* q, float* sc
   *scale = sc;
 }
 
-// fp8_per_token on [b, e): also the per-group body of fp8_per_group128_a3.
-template <class F, class R>
-EPCOMM_QUANT_INLINE void fp8_per_token_range(R r, int64_t b, int64_t e, uint8_t* codes, float* scale) {
-  uint32_t m = amax_bits(r, b, e);
+// What one group (or a whole row) becomes once its amax is known: every code `fill`, or
+// codes_i = encode(xf_i ⊗ mul). The vector kernels (quant/simd.cc) share these steps with the loops below.
+struct GroupStep {
+  bool fill;
+  uint8_t code;  // the fill code
+  float mul;
+};
+template <class R, class F>
+EPCOMM_QUANT_INLINE void apply_step(R r, int64_t b, int64_t e, uint8_t* codes, GroupStep s) {
+  if (s.fill)
+    fill<uint8_t>(codes, b, e, s.code);
+  else
+    for (int64_t i = b; i < e; ++i) codes[i] = F::encode(r(i) * s.mul);
+}
+
+// fp8_per_token's arithmetic from amax bits m: d = M ∕ amax, *scale = 1 ∕ d.
+template <class F>
+EPCOMM_QUANT_INLINE GroupStep per_token_step(uint32_t m, float* scale) {
   if (m >= kInfBits) {
-    fill<uint8_t>(codes, b, e, F::kNan);
     *scale = f32_from_bits(kF32Nan);
-    return;
+    return {true, F::kNan, 0.0f};
   }
   float d = F::max_value() / f32_from_bits(m);
   if (m == 0 || f32_bits(d) == kInfBits) {
-    fill<uint8_t>(codes, b, e, 0);
     *scale = 0.0f;
-    return;
+    return {true, 0, 0.0f};
   }
-  for (int64_t i = b; i < e; ++i) codes[i] = F::encode(r(i) * d);
   *scale = 1.0f / d;
+  return {false, 0, d};
+}
+
+// fp8_per_token on [b, e): also the per-group body of fp8_per_group128_a3.
+template <class F, class R>
+EPCOMM_QUANT_INLINE void fp8_per_token_range(R r, int64_t b, int64_t e, uint8_t* codes, float* scale) {
+  apply_step<R, F>(r, b, e, codes, per_token_step<F>(amax_bits(r, b, e), scale));
 }
 
 template <class F, class R>
@@ -187,32 +244,36 @@ EPCOMM_QUANT_INLINE void store_scale(void* scales, int64_t g, float f32, uint8_t
     std::memcpy(static_cast<uint8_t*>(scales) + 4 * g, &f32, sizeof f32);
 }
 
-// DeepEP per-group arithmetic; kPow2 = round_scale, kUe8m0 = one e8m0 byte per group.
+// DeepEP per-group arithmetic from amax bits m (kPow2 = round_scale, kUe8m0 = one e8m0 byte per group);
+// stores group g's scale.
+template <class F, bool kPow2, bool kUe8m0>
+EPCOMM_QUANT_INLINE GroupStep group128_step(uint32_t m, void* scales, int64_t g) {
+  if (m >= kInfBits) {
+    store_scale<kUe8m0>(scales, g, f32_from_bits(kF32Nan), 0xFF);
+    return {true, F::kNan, 0.0f};
+  }
+  float amax = f32_from_bits(m);
+  float a = amax < k_eps_1e4() ? k_eps_1e4() : amax;
+  float scale_inv = a * F::inv_max();
+  float d;
+  int32_t k = 0;
+  if constexpr (kPow2) {
+    uint32_t t = f32_bits(scale_inv);
+    k = static_cast<int32_t>(t >> 23) - 127 + ((t & 0x7FFFFFu) != 0);
+    scale_inv = f32_from_bits(static_cast<uint32_t>(k + 127) << 23);
+    d = f32_from_bits(static_cast<uint32_t>(127 - k) << 23);
+  } else {
+    d = F::max_value() / a;
+  }
+  store_scale<kUe8m0>(scales, g, scale_inv, static_cast<uint8_t>(k + 127));
+  return {false, 0, d};
+}
+
 template <class F, bool kPow2, bool kUe8m0, class R>
 EPCOMM_QUANT_INLINE void fp8_per_group128(R r, int64_t n, uint8_t* codes, void* scales) {
   for (int64_t b = 0, g = 0; b < n; b += 128, ++g) {
     int64_t e = b + 128 < n ? b + 128 : n;
-    uint32_t m = amax_bits(r, b, e);
-    if (m >= kInfBits) {
-      fill<uint8_t>(codes, b, e, F::kNan);
-      store_scale<kUe8m0>(scales, g, f32_from_bits(kF32Nan), 0xFF);
-      continue;
-    }
-    float amax = f32_from_bits(m);
-    float a = amax < k_eps_1e4() ? k_eps_1e4() : amax;
-    float scale_inv = a * F::inv_max();
-    float d;
-    int32_t k = 0;
-    if constexpr (kPow2) {
-      uint32_t t = f32_bits(scale_inv);
-      k = static_cast<int32_t>(t >> 23) - 127 + ((t & 0x7FFFFFu) != 0);
-      scale_inv = f32_from_bits(static_cast<uint32_t>(k + 127) << 23);
-      d = f32_from_bits(static_cast<uint32_t>(127 - k) << 23);
-    } else {
-      d = F::max_value() / a;
-    }
-    for (int64_t i = b; i < e; ++i) codes[i] = F::encode(r(i) * d);
-    store_scale<kUe8m0>(scales, g, scale_inv, static_cast<uint8_t>(k + 127));
+    apply_step<R, F>(r, b, e, codes, group128_step<F, kPow2, kUe8m0>(amax_bits(r, b, e), scales, g));
   }
 }
 
@@ -229,20 +290,26 @@ EPCOMM_QUANT_INLINE uint8_t mx_scale(uint32_t m) {
   }
 }
 
-template <class F, bool kRceil, class R>
-EPCOMM_QUANT_INLINE uint8_t mx_block(R r, int64_t b, int64_t e, uint8_t* codes) {
-  uint32_t m = amax_bits(r, b, e);
+// One MX block from its amax bits: NaN codes and scale 0xFF if non-finite, zero codes and scale 0x00 if the
+// exponent field is 0, else codes_i = encode(x_i ⊗ 2^(127−s)).
+template <class F, bool kRceil>
+EPCOMM_QUANT_INLINE GroupStep mx_step(uint32_t m, uint8_t* scale) {
   if (m >= kInfBits) {
-    fill<uint8_t>(codes, b, e, F::kNan);
-    return 0xFF;
+    *scale = 0xFF;
+    return {true, F::kNan, 0.0f};
   }
   if ((m >> 23) == 0) {
-    fill<uint8_t>(codes, b, e, 0);
-    return 0x00;
+    *scale = 0x00;
+    return {true, 0, 0.0f};
   }
-  uint8_t s = mx_scale<F, kRceil>(m);
-  float mul = e8m0_reciprocal(s);
-  for (int64_t i = b; i < e; ++i) codes[i] = F::encode(r(i) * mul);
+  *scale = mx_scale<F, kRceil>(m);
+  return {false, 0, e8m0_reciprocal(*scale)};
+}
+
+template <class F, bool kRceil, class R>
+EPCOMM_QUANT_INLINE uint8_t mx_block(R r, int64_t b, int64_t e, uint8_t* codes) {
+  uint8_t s;
+  apply_step<R, F>(r, b, e, codes, mx_step<F, kRceil>(amax_bits(r, b, e), &s));
   return s;
 }
 
@@ -296,8 +363,7 @@ EPCOMM_QUANT_INLINE void mxfp4_quantize(R r, int64_t n, uint8_t* packed, uint8_t
   for (int64_t g = b / 32; b < n; b += 32, ++g) {
     int64_t len = b + 32 < n ? 32 : n - b;
     // Shift the row so that mx_block writes tmp[0..len).
-    auto shifted = [r, b](int64_t i) EPCOMM_QUANT_LAMBDA_INLINE { return r(i + b); };
-    scales[g] = mx_block<E2m1, kRceil>(shifted, 0, len, tmp);
+    scales[g] = mx_block<E2m1, kRceil>(Shifted<R>{r, b}, 0, len, tmp);
     for (int64_t j = 0; j < len / 2; ++j) packed[b / 2 + j] = pack_f4x2(tmp[2 * j], tmp[2 * j + 1]);
   }
 }
