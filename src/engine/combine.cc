@@ -365,8 +365,7 @@ void CombineCall::sum_recv_weights(int64_t w, int64_t t) const {
 }
 
 // Tokens [t0, t1) of window w with the scratch r. Inlined into reduce: called out of line, the one-thread
-// rank_major combine at one rank ran 12-15% slower on the development VM (the gathers reloaded the call's
-// state for every copy).
+// rank_major combine at one rank ran 12-15% slower on the development VM.
 [[gnu::always_inline]] inline void CombineCall::reduce_tokens(int64_t w, int64_t t0, int64_t t1,
                                                               TokenRows& r) const {
   for (int64_t t = t0; t < t1; ++t) {
