@@ -17,6 +17,8 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "engine/distribute_v2.h"
+#include "engine/workers.h"
+#include "epcomm/buffer.h"
 
 namespace epcomm::moe {
 namespace {
@@ -123,6 +125,15 @@ struct Call {
   }
 };
 
+// The call's copy threads: the ep group's pool, OpOptions::num_threads of them (0: the class default,
+// resolved as the Buffer's are).
+template <typename In>
+void set_copy_threads(const Call& call, const OpOptions& o, In& in) {
+  in.workers = &call.ep.group->workers;
+  in.threads = engine::copy_threads(o.num_threads > 0 ? o.num_threads : Buffer::num_threads(),
+                                    call.ep.group->transport->size());
+}
+
 }  // namespace
 
 DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2Args& a, const OpOptions& o) {
@@ -130,6 +141,7 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
   detail::DispatchPlan plan;
   try {
     detail::prepare_dispatch(ep_group, tp_group, a, o, plan);
+    set_copy_threads(call, o, plan.in);
   } catch (const Error& e) {
     call.fail_validation(e);
   }
@@ -160,6 +172,7 @@ void run_combine(Call& call, Group& ep_group, Group* tp_group, const CombineV2Ar
   try {
     detail::prepare_combine(ep_group, tp_group, a, norm, o, plan);
     engine::v2::prepare_combine_v2(plan.in);
+    set_copy_threads(call, o, plan.in);
   } catch (const Error& e) {
     call.fail_validation(e);
   }

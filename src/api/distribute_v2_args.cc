@@ -425,14 +425,15 @@ void combine_outputs(const CombineV2Args& a, const CombineAddRmsNormArgs* norm, 
 
 }  // namespace
 
-void check_product_name(const OpOptions& o) {
+void check_options(const OpOptions& o) {
   const std::string& p = o.strict_hardware_limits;
   EPCOMM_CHECK(p.empty() || p == "A2" || p == "A3" || p == "950",
                "argument: strict_hardware_limits: expected \"\", \"A2\", \"A3\" or \"950\", got \"", p, "\"");
+  EPCOMM_CHECK(o.num_threads >= 0, "argument: num_threads: expected >= 0, got ", o.num_threads);
 }
 
 void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOptions& o, DispatchPlan& p) {
-  check_product_name(o);
+  check_options(o);
   EPCOMM_CHECK(a.x.defined() && a.x.dim() == 2, "argument: x: expected a 2-D (Bs, H) tensor, got ",
                a.x.defined() ? describe(a.x) : std::string("None"));
   check_dtype(a.x, "x", {DType::bf16, DType::f16});
@@ -507,7 +508,7 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
 
 void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const CombineAddRmsNormArgs* norm,
                      const OpOptions& o, CombinePlan& p) {
-  check_product_name(o);
+  check_options(o);
   const Tensor& ex = a.expand_x;
   EPCOMM_CHECK(ex.defined() && ex.dim() == 2, "argument: expand_x: expected a 2-D (rows, H) tensor, got ",
                ex.defined() ? describe(ex) : std::string("None"));

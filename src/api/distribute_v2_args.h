@@ -56,6 +56,6 @@ void check_strict_dispatch(const OpOptions& o, const DispatchV2Args& a, const en
                            const Routing& routing, int64_t H);
 void check_strict_combine(const OpOptions& o, const CombineV2Args& a, const engine::v2::Layout& lay,
                           const Routing& routing, int64_t H, DType dt, bool add_rms_norm);
-void check_product_name(const OpOptions& o);
+void check_options(const OpOptions& o);
 
 }  // namespace epcomm::moe::detail

@@ -1,18 +1,21 @@
 // api/moe_context.h — the communication context a Group carries for the operator family: a
 // detail::CommContext (api/comm_context.h: transport, across nodes the lanes and the network, the segment
-// map, the per-group call sequence number, the failed state) plus the lock that keeps one call in flight.
+// map, the per-group call sequence number, the failed state) plus the lock that keeps one call in flight and
+// the group's copy threads.
 #pragma once
 
 #include <memory>
 #include <mutex>
 
 #include "api/comm_context.h"
+#include "engine/workers.h"
 #include "epcomm/moe/distribute_v2.h"
 
 namespace epcomm::moe {
 
 struct GroupContext : epcomm::detail::CommContext {
-  std::mutex call;  // one call in flight per group
+  std::mutex call;             // one call in flight per group
+  engine::WorkerPool workers;  // copy threads (OpOptions::num_threads), started when a call first needs them
 };
 
 // The group's context, created collectively with default options when it has none yet.

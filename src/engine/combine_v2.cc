@@ -62,6 +62,23 @@ size_t compact_bytes(int64_t entries, size_t row_stride) {
   return compact_head(entries) + static_cast<size_t>(entries) * row_stride;
 }
 
+// The origin's reduction of one token: its accumulator and norm scratch, decoded rows (comm_quant_mode 2)
+// and the rows in reduction order with their weights. One per copy thread.
+struct TokenScratch {
+  std::vector<float> acc, scratch;
+  std::vector<uint8_t> decoded;
+  std::vector<const uint8_t*> row_ptrs;
+  std::vector<float> weights;
+  std::vector<uint8_t> weighted;
+  TokenScratch(int64_t H, int slots, size_t row_bytes, bool decode)
+      : acc(static_cast<size_t>(H)),
+        scratch(static_cast<size_t>(H)),
+        decoded(decode ? static_cast<size_t>(slots) * row_bytes : 0),
+        row_ptrs(slots + 1),
+        weights(slots + 1),
+        weighted(slots + 1) {}
+};
+
 }  // namespace
 
 void prepare_combine_v2(CombineV2Input& in) {
@@ -170,13 +187,15 @@ struct CombineV2Call {
   bool returns_to(int d, int o) const { return peer_counts(ctx, d)[count_origin(W, o)] > 0; }
   // Contributor: write our rows of origin o's window w into its slots.
   void fill(int o, int64_t w);
+  void fill_row(int o, int64_t w, int64_t t0, int32_t i);
   // Origin.
   void open_window();
   bool contributors_done(int64_t w) const;
   void gather_remote(int64_t w, int64_t n_slots);
-  int collect_rows(int64_t w, int64_t t, int64_t t0);
-  void zero_token(int64_t t);
+  int collect_rows(int64_t w, int64_t t, int64_t t0, TokenScratch& r) const;
+  void zero_token(int64_t t) const;
   void reduce(int64_t w);
+  void reduce_token(int64_t w, int64_t t, int64_t t0, TokenScratch& r) const;
   // Proxy.
   bool proxy_can_open(int n) const;
   void proxy_open(int n);
@@ -224,11 +243,6 @@ struct CombineV2Call {
   // The origin's reduction.
   int64_t my_windows = 0, reduced = 0;
   bool open = false;
-  std::vector<float> acc, scratch;
-  std::vector<uint8_t> decoded;
-  std::vector<const uint8_t*> row_ptrs;
-  std::vector<float> weights;
-  std::vector<uint8_t> weighted;
 };
 
 // Header: params, rows and largest token per origin, rows this rank expects.
@@ -354,12 +368,6 @@ void CombineV2Call::plan_windows() {
     }
   }
   my_windows = in.bs > 0 ? ceil_div(in.bs, per_window) : 0;
-  acc.resize(static_cast<size_t>(H));
-  scratch.resize(static_cast<size_t>(H));
-  decoded.resize(in.comm_quant == 2 ? static_cast<size_t>(slots) * row_bytes : 0);
-  row_ptrs.resize(slots + 1);
-  weights.resize(slots + 1);
-  weighted.resize(slots + 1);
 }
 
 void CombineV2Call::move_rows() {
@@ -367,30 +375,37 @@ void CombineV2Call::move_rows() {
       "combine rows", [this](bool& progressed) { return step(progressed); }, [this] { return awaited(); });
 }
 
+// Contributor: our rows of origin o's window w, split over the call's copy threads (each row goes to its own
+// slot, whose stamp is exchanged atomically).
 void CombineV2Call::fill(int o, int64_t w) {
-  uint8_t* area = ctx.data(o);
   const int64_t t0 = w * per_window, t1 = t0 + per_window;
-  const int64_t end = in.origin_offsets[o + 1];
-  while (pos[o] < end) {
-    const int32_t i = in.origin_rows[pos[o]];
-    const int64_t t = in.assist[3 * i + 1];
-    if (t >= t1) break;
-    const int slot = in.assist[3 * i + 2];
-    const int64_t idx = (t - t0) * slots + slot;
-    uint8_t* dst = area + static_cast<size_t>(idx) * geo.row_stride;
-    const uint8_t* src = in.rows + static_cast<size_t>(i) * row_bytes;
-    if (in.comm_quant == 2)
-      quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
-                                 reinterpret_cast<uint16_t*>(dst + H));
-    else
-      copy_row(dst, src, row_bytes, true, cache_resident);
-    const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
-    if (stamp_is(old, seq, w))
-      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
-                   " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(),
-                   " ", o, " (duplicate row)");
-    ++pos[o];
-  }
+  const int64_t end = in.origin_offsets[o + 1], first = pos[o];
+  int64_t last = first;
+  while (last < end && in.assist[3 * in.origin_rows[last] + 1] < t1) ++last;
+  for_parts(in.workers, in.threads, (last - first) * static_cast<int64_t>(row_bytes), last - first,
+            [&](int64_t b, int64_t e) {
+              for (int64_t p = first + b; p < first + e; ++p) fill_row(o, w, t0, in.origin_rows[p]);
+            });
+  pos[o] = last;
+}
+
+// Our row i into its slot of origin o's window w (which starts at token t0), stamped.
+void CombineV2Call::fill_row(int o, int64_t w, int64_t t0, int32_t i) {
+  const int64_t t = in.assist[3 * i + 1];
+  const int slot = in.assist[3 * i + 2];
+  const int64_t idx = (t - t0) * slots + slot;
+  uint8_t* dst = ctx.data(o) + static_cast<size_t>(idx) * geo.row_stride;
+  const uint8_t* src = in.rows + static_cast<size_t>(i) * row_bytes;
+  if (in.comm_quant == 2)
+    quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
+                               reinterpret_cast<uint16_t*>(dst + H));
+  else
+    copy_row(dst, src, row_bytes, true, cache_resident);
+  const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
+  if (stamp_is(old, seq, w))
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
+                 " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(),
+                 " ", o, " (duplicate row)");
 }
 
 // Clears the slots of our next window and tells the contributors (internode: the proxies of the nodes that
@@ -449,7 +464,7 @@ void CombineV2Call::gather_remote(int64_t w, int64_t n_slots) {
 
 // Token t's arrived rows in reduction order (row_ptrs, weights, weighted), checked against our mask and
 // ids; returns their number. t0: the window's first token.
-int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0) {
+int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0, TokenScratch& r) const {
   const bool act = in.active[t];
   int n = 0;
   for (int s = 0; s < slots; ++s) {
@@ -473,50 +488,54 @@ int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0) {
                    "), an active slot of this rank (another row went elsewhere)");
     if (!wanted) continue;
     if (in.comm_quant == 2) {
-      uint8_t* dec = decoded.data() + static_cast<size_t>(s) * row_bytes;
+      uint8_t* dec = r.decoded.data() + static_cast<size_t>(s) * row_bytes;
       quant::int8_group8_combine_dequant(in.dt, reinterpret_cast<const int8_t*>(src),
                                          reinterpret_cast<const uint16_t*>(src + H), H,
                                          reinterpret_cast<uint16_t*>(dec));
       src = dec;
     }
-    row_ptrs[n] = src;
-    weighted[n] = s < K;
-    weights[n] = s < K ? in.expert_scales[t * K + s] : 1.0f;
+    r.row_ptrs[n] = src;
+    r.weighted[n] = s < K;
+    r.weights[n] = s < K ? in.expert_scales[t * K + s] : 1.0f;
     ++n;
   }
   return n;
 }
 
-void CombineV2Call::zero_token(int64_t t) {
+void CombineV2Call::zero_token(int64_t t) const {
   std::memset(out.x + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
   if (out.y) std::memset(out.y + static_cast<size_t>(t) * row_bytes, 0, row_bytes);
   if (out.rstd) out.rstd[t] = 0.0f;
 }
 
-// Origin: reduce window w into the outputs.
+// Origin: reduce window w into the outputs, its tokens split over the call's copy threads (each token
+// reduced by one thread, in the fixed order).
 void CombineV2Call::reduce(int64_t w) {
   const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
   if (inter) gather_remote(w, (t1 - t0) * slots);
-  for (int64_t t = t0; t < t1; ++t) {
-    int n = collect_rows(w, t, t0);
-    if (!in.active[t]) {
-      zero_token(t);
-      continue;
-    }
-    if (in.shared_x) {
-      row_ptrs[n] = in.shared_x + static_cast<size_t>(t) * row_bytes;
-      weighted[n] = 0;
-      weights[n] = 1.0f;
-      ++n;
-    }
-    accumulate_rows(in.dt, row_ptrs.data(), weights.data(), weighted.data(), n, H, acc.data());
-    if (in.residual)
-      add_rms_norm_row(in.dt, acc.data(), in.residual + static_cast<size_t>(t) * row_bytes, in.gamma, H,
-                       in.norm_eps, out.x + static_cast<size_t>(t) * row_bytes,
-                       out.y + static_cast<size_t>(t) * row_bytes, &out.rstd[t], scratch.data());
-    else
-      round_row(in.dt, acc.data(), H, out.x + static_cast<size_t>(t) * row_bytes);
+  const int64_t bytes = (t1 - t0) * (slots + 1) * static_cast<int64_t>(row_bytes);  // rows read, at most
+  for_parts(in.workers, in.threads, bytes, t1 - t0, [&](int64_t b, int64_t e) {
+    TokenScratch r(H, slots, row_bytes, in.comm_quant == 2);
+    for (int64_t t = t0 + b; t < t0 + e; ++t) reduce_token(w, t, t0, r);
+  });
+}
+
+void CombineV2Call::reduce_token(int64_t w, int64_t t, int64_t t0, TokenScratch& r) const {
+  int n = collect_rows(w, t, t0, r);
+  if (!in.active[t]) return zero_token(t);
+  if (in.shared_x) {
+    r.row_ptrs[n] = in.shared_x + static_cast<size_t>(t) * row_bytes;
+    r.weighted[n] = 0;
+    r.weights[n] = 1.0f;
+    ++n;
   }
+  accumulate_rows(in.dt, r.row_ptrs.data(), r.weights.data(), r.weighted.data(), n, H, r.acc.data());
+  if (in.residual)
+    add_rms_norm_row(in.dt, r.acc.data(), in.residual + static_cast<size_t>(t) * row_bytes, in.gamma, H,
+                     in.norm_eps, out.x + static_cast<size_t>(t) * row_bytes,
+                     out.y + static_cast<size_t>(t) * row_bytes, &out.rstd[t], r.scratch.data());
+  else
+    round_row(in.dt, r.acc.data(), H, out.x + static_cast<size_t>(t) * row_bytes);
 }
 
 // Proxy of the rail peer on node n: its next window may open once it said so and our last write is read.

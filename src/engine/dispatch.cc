@@ -22,6 +22,7 @@
 
 #include "engine/forward.h"
 #include "engine/kernels.h"
+#include "engine/row_copies.h"
 #include "engine/staged_sender.h"
 #include "engine/window_serve.h"
 #include "quant/row.h"
@@ -54,11 +55,11 @@ struct Outputs {
   int32_t *src_rank = nullptr, *src_token = nullptr, *src_slot = nullptr;
   uint32_t* node_mask = nullptr;  // internode: the handle's recv_node_mask
   bool pushed = false;            // the senders write the payload rows themselves
+  RowCopies* copies = nullptr;    // the call's payload copies (over its copy threads)
 
   void copy_payload(int64_t row, const uint8_t* payload) const {
     if (pushed) return;
-    copy_row(data + row * data_row, payload, data_row);
-    if (scale_row) std::memcpy(scales + row * scale_row, payload + data_row, scale_row);
+    copies->add(data + row * data_row, scale_row ? scales + row * scale_row : nullptr, payload);
   }
   void set_idx(int64_t row, int k, int64_t v) const {
     if (idx64)
@@ -246,6 +247,7 @@ class DispatchCall {
 
  private:
   void stage(int64_t w);
+  void stage_token(int64_t t, uint8_t* half, int64_t t0, bool rows);
   void start_internode();
   void fill_header();
   void allocate_outputs();
@@ -316,6 +318,7 @@ class DispatchCall {
   bool can_push_ = false;
   bool push_ = false;    // decided once the headers are in
   StagedSender sender_;  // our windows (staged pull)
+  RowCopies copies_;     // the payload rows a pulled window places here
   std::optional<AckForwarder> acks_;
   Clock::time_point t_headers_;
   std::vector<int64_t> tokens_of_;
@@ -370,7 +373,8 @@ DispatchCall::DispatchCall(OpContext& ctx, DispatchInput& in, DispatchOutput& ou
       arena_(tp_.output_arena().get()),
       seq_(ctx.seq()),
       my_area_(ctx.data(me_)),
-      sender_(ctx) {
+      sender_(ctx),
+      copies_(in.workers, in.threads, in.format.data_row_bytes, in.format.scale_row_bytes) {
   geo_ = window_geometry(ctx_, row_bytes_, meta_, lane_half_, net_meta_);
   W_ = geo_.window;
   row_window_ = W_;
@@ -391,6 +395,8 @@ DispatchCall::DispatchCall(OpContext& ctx, DispatchInput& in, DispatchOutput& ou
               (!out_.recv_x.scales || arena_offset(*out_.recv_x.scales) >= 0);
 }
 
+// Stages window w into its half, its tokens split over the call's copy threads (each token's record is
+// written by one thread).
 void DispatchCall::stage(int64_t w) {
   uint8_t* half = my_area_ + static_cast<size_t>(w % 2) * geo_.half_bytes;
   const int64_t t0 = w * W_, t1 = std::min(in_.num_tokens, t0 + W_);
@@ -400,27 +406,34 @@ void DispatchCall::stage(int64_t w) {
   // With share_x only the routing is staged: receivers read the row in our dispatch-input area; pushed rows
   // are written into the receivers' outputs instead.
   const bool rows = !share_x_ && !push_;
-  for (int64_t t = t0; t < t1; ++t) {
-    uint8_t* dst = half + (t - t0) * geo_.row_stride;
-    const uint8_t* x = in_.x + t * in_.x_row_bytes;
-    if (rows && f_.quantize) {
-      quant::quantize_row(*f_.quantize, in_.x_dtype, x, in_.hidden, dst, dst + f_.data_row_bytes);
-    } else if (rows) {
-      // Plain stores into a cache-sized window: the receivers read it from the shared cache.
-      copy_row(dst, x, f_.data_row_bytes, true, geo_.cache_resident);
-      if (in_.scales)
-        gather_scales(dst + f_.data_row_bytes, in_.scales, t, in_.scale_stride0, in_.scale_stride1,
-                      f_.scale_cols, dtype_size(f_.scale_dtype));
-    }
-    if (meta_) {
-      uint8_t* m = half + W_ * geo_.row_stride + (t - t0) * geo_.meta_stride;
-      if (K_ > 0) {
-        std::memcpy(m, &my_ids_[t * K_], sizeof(int32_t) * K_);
-        std::memcpy(m + 4 * K_, &my_weights_[t * K_], sizeof(float) * K_);
-      } else {
-        std::memcpy(m, &my_in_rank_[t * R_], R_);
-      }
-    }
+  // The bytes a staged token reads (its x row, quantized or not); routing alone runs on this thread.
+  const int64_t token_bytes = !rows         ? 0
+                              : f_.quantize ? in_.hidden * static_cast<int64_t>(dtype_size(in_.x_dtype))
+                                            : row_bytes_;
+  for_parts(in_.workers, in_.threads, (t1 - t0) * token_bytes, t1 - t0, [&](int64_t b, int64_t e) {
+    for (int64_t t = t0 + b; t < t0 + e; ++t) stage_token(t, half, t0, rows);
+  });
+}
+
+void DispatchCall::stage_token(int64_t t, uint8_t* half, int64_t t0, bool rows) {
+  uint8_t* dst = half + (t - t0) * geo_.row_stride;
+  const uint8_t* x = in_.x + t * in_.x_row_bytes;
+  if (rows && f_.quantize) {
+    quant::quantize_row(*f_.quantize, in_.x_dtype, x, in_.hidden, dst, dst + f_.data_row_bytes);
+  } else if (rows) {
+    // Plain stores into a cache-sized window: the receivers read it from the shared cache.
+    copy_row(dst, x, f_.data_row_bytes, true, geo_.cache_resident);
+    if (in_.scales)
+      gather_scales(dst + f_.data_row_bytes, in_.scales, t, in_.scale_stride0, in_.scale_stride1,
+                    f_.scale_cols, dtype_size(f_.scale_dtype));
+  }
+  if (!meta_) return;
+  uint8_t* m = half + W_ * geo_.row_stride + (t - t0) * geo_.meta_stride;
+  if (K_ > 0) {
+    std::memcpy(m, &my_ids_[t * K_], sizeof(int32_t) * K_);
+    std::memcpy(m + 4 * K_, &my_weights_[t * K_], sizeof(float) * K_);
+  } else {
+    std::memcpy(m, &my_in_rank_[t * R_], R_);
   }
 }
 
@@ -580,6 +593,7 @@ void DispatchCall::bind_outputs() {
   if (out_.recv_x.scales) poison(*out_.recv_x.scales, in_.poison);
   o_.data = out_.recv_x.data.data_as<uint8_t>();
   o_.data_row = f_.data_row_bytes;
+  o_.copies = &copies_;
   if (f_.scale_row_bytes) {
     o_.scales = out_.recv_x.scales->data_as<uint8_t>();
     o_.scale_row = f_.scale_row_bytes;
@@ -845,6 +859,7 @@ void DispatchCall::pull_cached(int s, int64_t w, int64_t t1, const StagedWindow&
     o_.copy_payload(row, sx ? sx + win.token(e) * row_bytes_ : win.payload(e));
     ++pos;
   }
+  copies_.flush();
 }
 
 // One staged entry of source s (token t, its payload and routing): the rows it occupies here.
@@ -895,6 +910,7 @@ void DispatchCall::pull(int s, int64_t w) {
   if ((*rows_from_)[s] == 0) return;  // read as proxy only
   for (int64_t e = 0; e < win.count; ++e)
     pull_entry(s, win.token(e), sx ? sx + win.token(e) * row_bytes_ : win.payload(e), win.meta(e));
+  copies_.flush();  // the window's rows, over the copy threads, before its acknowledgement
 }
 
 // Every source's staged windows that are out; true once all are read and, pushing, its rows written.

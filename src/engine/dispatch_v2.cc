@@ -11,6 +11,7 @@
 #include "engine/forward.h"
 #include "engine/kernels.h"
 #include "engine/pair_exchange.h"
+#include "engine/row_copies.h"
 #include "engine/staged_sender.h"
 #include "engine/window_serve.h"
 #include "quant/block.h"
@@ -133,7 +134,8 @@ struct DispatchV2Call {
         seq(c.seq()),
         inter(c.internode()),
         my_area(c.data(me)),
-        sender(c) {}
+        sender(c),
+        copies(i.workers, i.threads, i.fmt.data_bytes, i.fmt.scale_bytes) {}
 
   // Phases.
   void count_own_rows();
@@ -145,6 +147,7 @@ struct DispatchV2Call {
 
   // Sender side.
   void stage(int64_t w);
+  void stage_token(int64_t t, uint8_t* half, int64_t t0, std::vector<float>& scratch) const;
   // Receiver side.
   void place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot, float escale);
   void pull(int s, int64_t w);
@@ -173,7 +176,7 @@ struct DispatchV2Call {
   std::vector<int32_t> per_expert;
   int32_t n_active = 0;
   StagedSender sender;
-  std::vector<float> scratch;
+  RowCopies copies;  // the payload rows a pulled window places here (over the copy threads)
   // set_up_internode.
   std::optional<AckForwarder> acks;
   // check_sender_records: every sender's geometry and tokens.
@@ -321,42 +324,46 @@ void DispatchV2Call::move_rows() {
       "dispatch rows", [this](bool& progressed) { return step(progressed); }, [this] { return awaited(); });
 }
 
+// Stages window w into its half, its tokens split over the call's copy threads (each token's record is
+// written by one thread).
 void DispatchV2Call::stage(int64_t w) {
   uint8_t* half = my_area + static_cast<size_t>(w % 2) * mine.geo.half_bytes;
   const int64_t t0 = w * per_window, t1 = std::min(in.bs, t0 + per_window);
-  for (int64_t t = t0; t < t1; ++t) {
-    uint8_t* rec = half + static_cast<size_t>(t - t0) * mine.geo.row_stride;
-    uint8_t* meta = half + static_cast<size_t>(per_window) * mine.geo.row_stride +
-                    static_cast<size_t>(t - t0) * mine.geo.meta_stride;
-    const int32_t* ids = &in.ids[t * K];
-    std::memcpy(meta, ids, sizeof(int32_t) * K);
-    if (!in.expert_scales.empty())
-      std::memcpy(meta + 4 * K, &in.expert_scales[t * K], sizeof(float) * K);
-    else
-      std::memset(meta + 4 * K, 0, sizeof(float) * K);
-    const uint32_t act = in.active[t];
-    std::memcpy(meta + 8 * K, &act, 4);
-    if (!act) continue;
-    if (my_payloads == 1) {
-      make_payload(in, t, 0, rec, scratch, mine.geo.cache_resident);
-      continue;
-    }
-    for (int k = 0; k < K; ++k)
-      if (ids[k] >= 0)
-        make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch,
-                     mine.geo.cache_resident);
-    for (int s = 0; s < S; ++s)
-      make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch,
+  const int64_t bytes = (t1 - t0) * static_cast<int64_t>(in.x_row_bytes) * my_payloads;  // x rows read
+  for_parts(in.workers, in.threads, bytes, t1 - t0, [&](int64_t b, int64_t e) {
+    std::vector<float> scratch;
+    for (int64_t t = t0 + b; t < t0 + e; ++t) stage_token(t, half, t0, scratch);
+  });
+}
+
+void DispatchV2Call::stage_token(int64_t t, uint8_t* half, int64_t t0, std::vector<float>& scratch) const {
+  uint8_t* rec = half + static_cast<size_t>(t - t0) * mine.geo.row_stride;
+  uint8_t* meta = half + static_cast<size_t>(per_window) * mine.geo.row_stride +
+                  static_cast<size_t>(t - t0) * mine.geo.meta_stride;
+  const int32_t* ids = &in.ids[t * K];
+  std::memcpy(meta, ids, sizeof(int32_t) * K);
+  if (!in.expert_scales.empty())
+    std::memcpy(meta + 4 * K, &in.expert_scales[t * K], sizeof(float) * K);
+  else
+    std::memset(meta + 4 * K, 0, sizeof(float) * K);
+  const uint32_t act = in.active[t];
+  std::memcpy(meta + 8 * K, &act, 4);
+  if (!act) return;
+  if (my_payloads == 1) return make_payload(in, t, 0, rec, scratch, mine.geo.cache_resident);
+  for (int k = 0; k < K; ++k)
+    if (ids[k] >= 0)
+      make_payload(in, t, S + ids[k], rec + static_cast<size_t>(k) * mine.payload_stride, scratch,
                    mine.geo.cache_resident);
-  }
+  for (int s = 0; s < S; ++s)
+    make_payload(in, t, s, rec + static_cast<size_t>(K + s) * mine.payload_stride, scratch,
+                 mine.geo.cache_resident);
 }
 
 void DispatchV2Call::place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot,
                            float escale) {
-  copy_row(out.expand_x + static_cast<size_t>(row) * f.data_bytes, payload, f.data_bytes);
-  if (f.scale_bytes)
-    std::memcpy(out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes, payload + f.data_bytes,
-                f.scale_bytes);
+  copies.add(out.expand_x + static_cast<size_t>(row) * f.data_bytes,
+             f.scale_bytes ? out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes : nullptr,
+             payload);
   out.assist[3 * row] = src;
   out.assist[3 * row + 1] = t;
   out.assist[3 * row + 2] = slot;
@@ -390,6 +397,7 @@ void DispatchV2Call::pull(int s, int64_t w) {
             static_cast<int32_t>(t), k, es);
     }
   }
+  copies.flush();  // the window's rows, over the copy threads, before its acknowledgement
 }
 
 bool DispatchV2Call::receives(int s, int d) const {

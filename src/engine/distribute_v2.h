@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/op_context.h"
+#include "engine/workers.h"
 #include "epcomm/tensor.h"
 
 namespace epcomm::engine::v2 {
@@ -105,7 +106,9 @@ struct DispatchV2Input {
   SmoothingSource smooth;
   int expert_token_nums_type = 1;
   Params params;
-  std::string label, tp_label;  // message prefixes of the EP and TP stages
+  std::string label, tp_label;    // message prefixes of the EP and TP stages
+  WorkerPool* workers = nullptr;  // the group's copy threads (null: this thread only)
+  int threads = 1;                // copy threads this call may use (engine/workers.h)
 };
 
 // Output pointers (caller- or API-allocated, valid for rows [0, T·A)) and what the call learnt.
@@ -151,6 +154,8 @@ struct CombineV2Input {
   float norm_eps = 0;
   Params params;
   std::string label, tp_label;
+  WorkerPool* workers = nullptr;  // the group's copy threads (null: this thread only)
+  int threads = 1;                // copy threads this call may use (engine/workers.h)
   // Rows of each origin sorted by (token, slot): rows_of[origin_offsets[o] .. origin_offsets[o+1]).
   std::vector<int64_t> origin_offsets;
   std::vector<int32_t> origin_rows;

@@ -3,6 +3,7 @@
 // spin), so copy threads that outnumber the cores only cost a wake-up each.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -51,6 +52,27 @@ inline void part_range(int64_t count, int i, int n, int64_t& begin, int64_t& end
   const int64_t base = count / n, extra = count % n;
   begin = i * base + std::min<int64_t>(i, extra);
   end = begin + base + (i < extra ? 1 : 0);
+}
+
+// Runs body(begin, end) over contiguous parts of [0, count), one part per thread: threads_for_bytes(threads,
+// bytes) threads of `workers` (the caller among them), or the caller alone when `workers` is null or one
+// thread suffices. Every item is handled by exactly one thread, so a body that writes only its items' outputs
+// gives the same bytes whatever the thread count. Returns the number of parts.
+template <typename Body>
+int for_parts(WorkerPool* workers, int threads, int64_t bytes, int64_t count, Body&& body) {
+  const int n = workers ? static_cast<int>(std::min<int64_t>(threads_for_bytes(threads, bytes),
+                                                             std::max<int64_t>(count, 1)))
+                        : 1;
+  if (n <= 1) {
+    body(int64_t{0}, count);
+    return 1;
+  }
+  workers->run(n, [&](int i, int parts) {
+    int64_t begin, end;
+    part_range(count, i, parts, begin, end);
+    body(begin, end);
+  });
+  return n;
 }
 
 }  // namespace epcomm::engine

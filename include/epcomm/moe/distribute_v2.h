@@ -76,6 +76,10 @@ struct OpOptions {
   std::string strict_hardware_limits;  // "", "A2", "A3" or "950" (docs/distribute-v2.md)
   int64_t hccl_buffsize_mb = 200;      // docs/distribute-v2.md window rule only; HCCL_BUFFSIZE is never read
   std::optional<std::chrono::milliseconds> timeout;  // default: the group's timeout
+  // Copy threads per rank (as Config::num_threads of the normal mode): 0 takes the class default
+  // (Buffer::set_num_threads, EPCOMM_NUM_THREADS), whose 0 means the host's hardware threads / the group's
+  // ranks on it.
+  int num_threads = 0;
   // Allocates the outputs the caller gives no *_out buffer for, once every argument has been checked;
   // default_allocator() when null.
   std::shared_ptr<Allocator> allocator;
