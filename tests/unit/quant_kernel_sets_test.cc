@@ -12,6 +12,7 @@
 #include "quant/block.h"
 #include "quant/element.h"
 #include "quant/simd.h"
+#include "support/rng.h"
 
 namespace {
 
@@ -23,16 +24,7 @@ using q::MxElem;
 using q::ScaleRule;
 using q::Smoothing;
 
-struct Rng {
-  uint64_t s;
-  uint64_t next() {  // splitmix64
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  uint32_t below(uint32_t n) { return static_cast<uint32_t>(next() % n); }
-};
+using Rng = epcomm::testing::SplitMix64;
 
 float f32(uint32_t u) {
   float f;
@@ -109,7 +101,7 @@ template <class Call>
 void compare_sets(const std::string& what, uint64_t seed, bool smoothing, Call call) {
   const std::vector<Fp8KernelSet> sets = q::fp8_kernel_sets();
   const Fp8KernelSet portable = q::portable_fp8_kernels();
-  Rng rng{seed};
+  Rng rng(seed);
   for (int rep = 0; rep < 6; ++rep)
     for (int64_t n : kLengths) {
       const std::vector<uint32_t> bits = adversarial_row(rng, n);
