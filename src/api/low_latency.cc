@@ -147,16 +147,20 @@ void allocate_outputs(Buffer::Impl& b, const engine::DispatchInput& in, engine::
 }
 
 // Scales of the valid rows, transposed into DeepEP's column-major [L, groups, R * T_max] (4-byte words:
-// f32 scales, or four packed ue8m0 bytes).
+// f32 scales, or four packed ue8m0 bytes). Tiles of kTile rows: each group's kTile words go out as one
+// 64-byte line instead of one store per line (the rows of a tile stay in L1 while their groups are read).
 void transpose_scales(const Tensor& rows, Tensor& cols, const std::vector<int64_t>& cnt, int64_t block) {
+  constexpr int64_t kTile = 16;
   const int64_t words = cols.size(1);
   const auto* src = static_cast<const uint32_t*>(rows.data());
   auto* dst = static_cast<uint32_t*>(cols.data());
   for (size_t j = 0; j < cnt.size(); ++j)
-    for (int64_t i = 0; i < cnt[j]; ++i) {
-      const uint32_t* s = src + (static_cast<int64_t>(j) * block + i) * words;
-      uint32_t* d = dst + static_cast<int64_t>(j) * words * block + i;
-      for (int64_t g = 0; g < words; ++g) d[g * block] = s[g];
+    for (int64_t i0 = 0; i0 < cnt[j]; i0 += kTile) {
+      const int64_t n = std::min(kTile, cnt[j] - i0);
+      const uint32_t* s = src + (static_cast<int64_t>(j) * block + i0) * words;
+      uint32_t* d = dst + static_cast<int64_t>(j) * words * block + i0;
+      for (int64_t g = 0; g < words; ++g)
+        for (int64_t r = 0; r < n; ++r) d[g * block + r] = s[r * words + g];
     }
 }
 

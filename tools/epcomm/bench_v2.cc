@@ -36,7 +36,7 @@ const char* kEpilog =
     "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
     "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, launcher, iters, warmup, selections,\n"
     "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, first_iter_ratio\n"
-    "(the slowest rank's time in the group's first call, before the warm-up, over the median), p99_ratio,\n"
+    "(the group's first call, before the warm-up, timed as the others, over the median), p99_ratio,\n"
     "timing,\n"
     "rank_time_us_median, start_skew_us_median, gbps_per_rank,\n"
     "gbps, memcpy_gbps, ratio_to_memcpy, verified, segment_bytes, nodes, network_bytes, network_gbps.\n\n"
@@ -191,7 +191,8 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   std::vector<double> net(2,
                           0.0);  // bytes this rank handed to the network per timed call (dispatch, combine)
   Counts counts;
-  std::vector<double> first(2, 0.0);  // this rank's time in the group's first dispatch_v2 and combine_v2
+  // This rank's time in the group's first dispatch_v2 and combine_v2, then when each began.
+  std::vector<double> first(4, 0.0);
   for (int it = -o.warmup; it < o.iters; ++it) {
     bs.barrier();
     const int64_t n0 = moe::group_network_counters(*group).network_bytes;
@@ -213,7 +214,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
       net[1] += static_cast<double>(n2 - n1) / o.iters;
     }
     if (it == -o.warmup) {  // checked once, outside the timings
-      first = {td, tc};
+      first = {td, tc, t0d, t0c};
       counts.rows = n_own;
       int64_t expected = 0;  // selections routed to this rank
       const int L = o.experts / (W - o.shared_ranks);
@@ -266,11 +267,14 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
       const int64_t bytes = selections * row_bytes;
       const double med = tm.median;
       const double per = med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0;
-      double net_bytes = 0, first_us = 0;  // all ranks, one call; the slowest rank's first call
+      double net_bytes = 0;  // all ranks, one call
+      std::vector<double> first_starts, first_times;  // the group's first call, timed as the others
       for (int s = 0; s < W; ++s) {
         net_bytes += all_net[2 * static_cast<size_t>(s) + op];
-        first_us = std::max(first_us, all_first[2 * static_cast<size_t>(s) + op] * 1e6);
+        first_times.push_back(all_first[4 * static_cast<size_t>(s) + op]);
+        first_starts.push_back(all_first[4 * static_cast<size_t>(s) + 2 + op]);
       }
+      const double first_us = collective_timing(first_starts, first_times, W, 1, one_clock).median;
       JsonLine j;
       j.add("api", "distribute-v2")
           .add("op", op == 0 ? "dispatch_v2" : "combine_v2")
