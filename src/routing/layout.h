@@ -59,8 +59,10 @@ ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_
                          const std::vector<const int32_t*>& pairs_per_expert,
                          const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows = 0);
 
+// n rounded up to a multiple of a (> 0). a = 1 (no alignment, the common case) skips the 64-bit division,
+// which costs ~40 cycles per call: a plan calls this once per local expert and receiver.
 inline int64_t align_up(int64_t n, int64_t a) {
-  return (n + a - 1) / a * a;
+  return a == 1 ? n : (n + a - 1) / a * a;
 }
 
 }  // namespace epcomm::routing
