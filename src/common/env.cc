@@ -108,7 +108,7 @@ int num_threads_default() {
 }
 
 int64_t parallel_bytes_per_thread() {
-  return std::max<int64_t>(count_of("EPCOMM_PARALLEL_BYTES", int64_t{1} << 20), 1);
+  return std::max<int64_t>(count_of("EPCOMM_PARALLEL_BYTES", int64_t{2} << 20), 1);
 }
 
 int64_t output_arena_bytes() {

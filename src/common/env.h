@@ -34,7 +34,7 @@ std::string ucx_write_mode();         // EPCOMM_UCX_WRITE: "am" (default) or "pu
 int ranks_per_node();                 // EPCOMM_RANKS_PER_NODE, default 0 (one node per host)
 std::string shm_mode();               // EPCOMM_SHM: "auto" (default), "memfd" or "named"
 int num_threads_default();            // EPCOMM_NUM_THREADS: Config::num_threads's class default (0 = auto)
-int64_t parallel_bytes_per_thread();  // EPCOMM_PARALLEL_BYTES: bytes a call moves per copy thread (1 MiB)
+int64_t parallel_bytes_per_thread();  // EPCOMM_PARALLEL_BYTES: bytes a call moves per copy thread (2 MiB)
 int64_t output_arena_bytes();         // EPCOMM_OUTPUT_ARENA: -1 = auto (default), else bytes (0 = none)
 int combine_sharing();                // EPCOMM_COMBINE_SHARING: -1 = auto (default), 1 = always, 0 = never
 bool arena_settle();  // EPCOMM_ARENA_SETTLE: pass over the output reserves at creation (default 1)
