@@ -529,13 +529,13 @@ void CombineV2Call::reduce_token(int64_t w, int64_t t, int64_t t0, TokenScratch&
     r.weights[n] = 1.0f;
     ++n;
   }
+  if (!in.residual)
+    return accumulate_round_rows(in.dt, r.row_ptrs.data(), r.weights.data(), r.weighted.data(), n, H,
+                                 out.x + static_cast<size_t>(t) * row_bytes);
   accumulate_rows(in.dt, r.row_ptrs.data(), r.weights.data(), r.weighted.data(), n, H, r.acc.data());
-  if (in.residual)
-    add_rms_norm_row(in.dt, r.acc.data(), in.residual + static_cast<size_t>(t) * row_bytes, in.gamma, H,
-                     in.norm_eps, out.x + static_cast<size_t>(t) * row_bytes,
-                     out.y + static_cast<size_t>(t) * row_bytes, &out.rstd[t], r.scratch.data());
-  else
-    round_row(in.dt, r.acc.data(), H, out.x + static_cast<size_t>(t) * row_bytes);
+  add_rms_norm_row(in.dt, r.acc.data(), in.residual + static_cast<size_t>(t) * row_bytes, in.gamma, H,
+                   in.norm_eps, out.x + static_cast<size_t>(t) * row_bytes,
+                   out.y + static_cast<size_t>(t) * row_bytes, &out.rstd[t], r.scratch.data());
 }
 
 // Proxy of the rail peer on node n: its next window may open once it said so and our last write is read.

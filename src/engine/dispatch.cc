@@ -836,7 +836,8 @@ void DispatchCall::push_rows(const std::vector<char>& now) {
   // take half that: their rows lie sparsely at the start of each expert's R * T_max block of a large output,
   // lines no cache holds, and each plain store first reads its line (fp8 decode shape, 15 MB per host:
   // streaming 0.80-0.87 ms against 1.28 plain; bf16 at 7.3 MB: plain 5-10% faster).
-  const size_t limit = in_.expert_block_rows > 0 ? cache_resident_push_bytes() / 2 : cache_resident_push_bytes();
+  const size_t limit =
+      in_.expert_block_rows > 0 ? cache_resident_push_bytes() / 2 : cache_resident_push_bytes();
   write_pushed_rows(in_, f_, plan, static_cast<size_t>(host_rows_) * row_bytes_ <= limit);
   store_fence();  // one fence for all the rows' streaming stores, before the releases that publish them
   for (int d = 0; d < R_; ++d)

@@ -17,24 +17,38 @@ inline uint16_t store(DType dt, float v) {
   return dt == DType::bf16 ? to_bf16_bits(v) : to_fp16_bits(v);
 }
 
-// Inlined into each clone of accumulate_rows, so that every ISA level gets its own vectorized loop.
-template <bool kBf16>
-[[gnu::always_inline]] inline void accumulate_t(const uint8_t* const* rows, const float* weights,
-                                                const uint8_t* weighted, int n, int64_t H, float* acc) {
-  for (int64_t h = 0; h < H; ++h) acc[h] = 0.0f;
+// One block of kBlock elements [h0, h0 + nb) of every row, summed in registers: the same binary32
+// operations in the same row order as one pass per row over acc (so the same bits), without reading and
+// writing acc once per row.
+template <bool kBf16, int kBlock, typename Sink>
+[[gnu::always_inline]] inline void accumulate_block(const uint8_t* const* rows, const float* weights,
+                                                    const uint8_t* weighted, int n, int64_t h0, int64_t nb,
+                                                    Sink&& sink) {
+  float a[kBlock];
+  for (int i = 0; i < kBlock; ++i) a[i] = 0.0f;
   for (int j = 0; j < n; ++j) {
-    const uint16_t* r = reinterpret_cast<const uint16_t*>(rows[j]);
-    if (weighted[j]) {
-      const float w = weights[j];
-      for (int64_t h = 0; h < H; ++h) {
-        const float v = kBf16 ? bf16_to_float(r[h]) : fp16_to_float(r[h]);
-        const float prod = v * w;
-        acc[h] = acc[h] + prod;
-      }
-    } else {
-      for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + (kBf16 ? bf16_to_float(r[h]) : fp16_to_float(r[h]));
-    }
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(rows[j]) + h0;
+    const float w = weights[j];
+    if (weighted[j])
+      for (int i = 0; i < kBlock && i < nb; ++i)
+        a[i] = a[i] + (kBf16 ? bf16_to_float(r[i]) : fp16_to_float(r[i])) * w;
+    else
+      for (int i = 0; i < kBlock && i < nb; ++i)
+        a[i] = a[i] + (kBf16 ? bf16_to_float(r[i]) : fp16_to_float(r[i]));
   }
+  for (int i = 0; i < kBlock && i < nb; ++i) sink(h0 + i, a[i]);
+}
+
+// Inlined into each clone of accumulate_rows, so that every ISA level gets its own vectorized loop. sink(h,
+// sum) takes each element's sum once.
+template <bool kBf16, typename Sink>
+[[gnu::always_inline]] inline void accumulate_t(const uint8_t* const* rows, const float* weights,
+                                                const uint8_t* weighted, int n, int64_t H, Sink&& sink) {
+  constexpr int kBlock = 64;  // four 16-float vectors live across the rows
+  int64_t h0 = 0;
+  for (; h0 + kBlock <= H; h0 += kBlock)
+    accumulate_block<kBf16, kBlock>(rows, weights, weighted, n, h0, kBlock, sink);
+  if (h0 < H) accumulate_block<kBf16, kBlock>(rows, weights, weighted, n, h0, H - h0, sink);
 }
 
 }  // namespace
@@ -42,19 +56,21 @@ template <bool kBf16>
 EPCOMM_TARGET_CLONES("avx512f", "avx2", "default")
 void accumulate_rows(DType dt, const uint8_t* const* rows, const float* weights, const uint8_t* weighted,
                      int n, int64_t H, float* acc) {
+  auto keep = [acc](int64_t h, float v) { acc[h] = v; };
   if (dt == DType::bf16)
-    accumulate_t<true>(rows, weights, weighted, n, H, acc);
+    accumulate_t<true>(rows, weights, weighted, n, H, keep);
   else
-    accumulate_t<false>(rows, weights, weighted, n, H, acc);
+    accumulate_t<false>(rows, weights, weighted, n, H, keep);
 }
 
 EPCOMM_TARGET_CLONES("avx512f", "avx2", "default")
-void round_row(DType dt, const float* acc, int64_t H, uint8_t* out) {
+void accumulate_round_rows(DType dt, const uint8_t* const* rows, const float* weights,
+                           const uint8_t* weighted, int n, int64_t H, uint8_t* out) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   if (dt == DType::bf16)
-    for (int64_t h = 0; h < H; ++h) o[h] = to_bf16_bits(acc[h]);
+    accumulate_t<true>(rows, weights, weighted, n, H, [o](int64_t h, float v) { o[h] = to_bf16_bits(v); });
   else
-    for (int64_t h = 0; h < H; ++h) o[h] = to_fp16_bits(acc[h]);
+    accumulate_t<false>(rows, weights, weighted, n, H, [o](int64_t h, float v) { o[h] = to_fp16_bits(v); });
 }
 
 void add_rms_norm_row(DType dt, const float* acc, const uint8_t* residual, const uint8_t* gamma, int64_t H,

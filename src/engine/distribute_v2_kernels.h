@@ -15,8 +15,9 @@ namespace epcomm::engine::v2 {
 // acc ⊕= fp32(row_j[h]). Rows are `dt` (bf16 or fp16), `H` elements each.
 void accumulate_rows(DType dt, const uint8_t* const* rows, const float* weights, const uint8_t* weighted,
                      int n, int64_t H, float* acc);
-// out[h] = RNE_dt(acc[h]).
-void round_row(DType dt, const float* acc, int64_t H, uint8_t* out);
+// The same sums rounded once into `out` (no fp32 row kept): out[h] = RNE_dt(acc[h]).
+void accumulate_round_rows(DType dt, const uint8_t* const* rows, const float* weights,
+                           const uint8_t* weighted, int n, int64_t H, uint8_t* out);
 // docs/distribute-v2.md for one token: x = RNE_dt(acc ⊕ residual); rstd from the fp64-summed mean square; y
 // with the intermediate rounding. `scratch` holds H floats.
 void add_rms_norm_row(DType dt, const float* acc, const uint8_t* residual, const uint8_t* gamma, int64_t H,
