@@ -11,6 +11,13 @@
 
 namespace epcomm {
 
+// Where a launcher's ranks run. none: where the kernel puts them. cores: when the CPUs the launching thread
+// may use (its affinity mask) are at least as many as the ranks, rank r is bound to the r-th of num_ranks
+// equal groups of them (consecutive in the mask; a rank's copy threads inherit its group), as
+// `mpirun --bind-to core` does; with fewer CPUs than ranks nothing is bound. Unbound ranks that share a CPU
+// wait for each other through the kernel's scheduler, which may keep them together for many calls.
+enum class LaunchBind { none, cores };
+
 struct LaunchOptions {
   // How long the launcher waits for all ranks before giving up on them (see each launcher for what that
   // means).
@@ -22,6 +29,7 @@ struct LaunchOptions {
   // EPCOMM_TIMEOUT_S (default 100 s). Keep it below `timeout` so a stuck collective reports who is missing
   // before the launcher gives up.
   std::chrono::milliseconds bootstrap_timeout{0};
+  LaunchBind bind = LaunchBind::none;
 };
 
 struct RankExit {

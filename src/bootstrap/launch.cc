@@ -1,6 +1,7 @@
 // bootstrap/launch.cc — launch_local (forked processes) and launch_threads (threads of this process).
 #include "epcomm/launch.h"
 
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -38,6 +39,29 @@ void check_launch_args(const char* who, int num_ranks, const RankFn& fn, const L
   EPCOMM_CHECK_GE(num_ranks, 1, who, ": bad number of ranks");
   EPCOMM_CHECK(static_cast<bool>(fn), who, ": the rank function is empty");
   EPCOMM_CHECK_GT(opts.timeout.count(), 0, who, ": the timeout must be positive (ms)");
+}
+
+// The CPUs rank `rank` of `num_ranks` is bound to under LaunchBind::cores (empty: none, or no binding),
+// out of the launching thread's mask.
+std::vector<int> cpu_share(LaunchBind bind, int rank, int num_ranks) {
+  cpu_set_t allowed;
+  if (bind == LaunchBind::none || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  const size_t per = cpus.size() / static_cast<size_t>(num_ranks);
+  if (per == 0) return {};
+  return std::vector<int>(cpus.begin() + static_cast<std::ptrdiff_t>(per * rank),
+                          cpus.begin() + static_cast<std::ptrdiff_t>(per * (rank + 1)));
+}
+
+// Binds the calling thread to `cpus` (nothing when empty); a failure leaves it unbound.
+void bind_to(const std::vector<int>& cpus) {
+  if (cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  (void)sched_setaffinity(0, sizeof set, &set);
 }
 
 // Builds the rank's bootstrap and runs fn; an escaping exception becomes exit code 1 and one stderr line.
@@ -119,10 +143,12 @@ class Children {
 };
 
 [[noreturn]] void child_main(pid_t parent, const std::string& job_id, int rank, int num_ranks,
-                             const RankFn& fn, std::chrono::milliseconds timeout, bool quiet) {
+                             const RankFn& fn, std::chrono::milliseconds timeout, bool quiet,
+                             const std::vector<int>& cpus) {
   // A child must not outlive a launcher that was killed (a test timeout, say) and hold the host's cores.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != parent) ::_exit(1);
+  bind_to(cpus);
   int code = run_rank(
       rank, fn, [&] { return make_local_bootstrap(job_id, rank, num_ranks, timeout); }, quiet);
   std::cout.flush();
@@ -164,8 +190,9 @@ std::vector<RankExit> launch_local(int num_ranks, const RankFn& fn, const Launch
   std::vector<RankExit> exits(static_cast<size_t>(num_ranks));
   Children children(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
+    const std::vector<int> cpus = cpu_share(opts.bind, r, num_ranks);
     pid_t pid = ::fork();
-    if (pid == 0) child_main(parent, job_id, r, num_ranks, fn, timeout, opts.quiet);
+    if (pid == 0) child_main(parent, job_id, r, num_ranks, fn, timeout, opts.quiet, cpus);
     if (pid < 0) {
       int err = errno;
       EPCOMM_THROW(SystemError, "launch_local: fork of rank ", r, " of ", num_ranks,
@@ -208,6 +235,7 @@ std::vector<RankExit> launch_threads(int num_ranks, const RankFn& fn, const Laun
   state.done.assign(static_cast<size_t>(num_ranks), false);
   std::vector<std::thread> threads;
   auto body = [&](int rank) {
+    bind_to(cpu_share(opts.bind, rank, num_ranks));  // (this thread's mask is the launcher's until here)
     int code = run_rank(
         rank, fn, [&] { return make_in_process_bootstrap(world, rank); }, opts.quiet);
     std::lock_guard<std::mutex> lock(state.mu);

@@ -2,6 +2,7 @@
 // Multi-rank bodies report through their exit code, since a forked child's gtest state never reaches the
 // parent.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <vector>
 
 #include "epcomm/bootstrap.h"
 #include "epcomm/error.h"
@@ -479,6 +481,49 @@ TEST(LaunchThreads, TimeoutAbortsRanksBlockedInTheBootstrap) {
   ASSERT_EQ(exits.size(), 2u);
   EXPECT_EQ(exits[0].exit_code, 3);
   EXPECT_EQ(exits[1].exit_code, 0);
+}
+
+// The CPUs the calling thread may run on.
+std::vector<int> my_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return {};
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+// LaunchBind::cores as launch.h states it: with at least as many CPUs as ranks, rank r runs on the r-th of
+// `ranks` equal groups of consecutive CPUs of the launcher's mask; otherwise on the launcher's mask.
+std::vector<int> expected_share(const std::vector<int>& all, int rank, int ranks) {
+  const size_t per = all.size() / static_cast<size_t>(ranks);
+  if (per == 0) return all;
+  return std::vector<int>(all.begin() + static_cast<std::ptrdiff_t>(per * rank),
+                          all.begin() + static_cast<std::ptrdiff_t>(per * (rank + 1)));
+}
+
+TEST(Launchers, BindCoresGivesEachRankItsShareOfTheCpus) {
+  const std::vector<int> all = my_cpus();
+  ASSERT_FALSE(all.empty());
+  const int n = static_cast<int>(all.size());
+  for (Launcher launch : {&launch_threads, &launch_local})
+    for (LaunchBind bind : {LaunchBind::cores, LaunchBind::none})
+      for (int ranks : {1, 2, n, n + 1}) {
+        LaunchOptions opts;
+        opts.bind = bind;
+        auto exits = launch(
+            ranks,
+            [&](std::unique_ptr<Bootstrap> b) {
+              const std::vector<int> want =
+                  bind == LaunchBind::cores ? expected_share(all, b->rank(), ranks) : all;
+              return my_cpus() == want ? 0 : 7;
+            },
+            opts);
+        SCOPED_TRACE(std::string(launch == &launch_local ? "local" : "threads") +
+                     (bind == LaunchBind::cores ? " cores " : " none ") + std::to_string(ranks) + " ranks");
+        expect_all_exit(exits, ranks, 0);
+        EXPECT_EQ(my_cpus(), all) << "the launching thread keeps its mask";
+      }
 }
 
 TEST(Launchers, LaunchLocalGivesEachLaunchAFreshJob) {

@@ -76,6 +76,18 @@ void add_launch_flags(FlagParser& p) {
   p.add("launcher", "fork|threads", "fork", "ranks as forked processes (real shared memory) or threads");
   p.add("timeout", "SECONDS", "", "deadline of every wait on a peer (default: EPCOMM_TIMEOUT_S, else 100)");
   p.add_switch("quiet", "no progress lines on stderr");
+  p.add("bind", "cores|none", "cores",
+        "cores: when the CPUs this process may use are at least as many as the ranks, each rank (and its "
+        "copy threads) runs on its own equal share of them, as mpirun --bind-to core; none: where the "
+        "kernel puts them (ranks that share a CPU wait on each other through the scheduler)");
+}
+
+// The launch flags' part of RunOptions.
+void apply_launch_flags(const LaunchFlags& launch, RunOptions& o) {
+  o.launcher = launch.launcher;
+  o.timeout_s = launch.timeout_s;
+  o.quiet = launch.quiet;
+  o.bind = launch.bind;
 }
 
 LaunchFlags read_launch_flags(const FlagParser& p) {
@@ -83,15 +95,14 @@ LaunchFlags read_launch_flags(const FlagParser& p) {
   l.launcher = p.choice("launcher", {"fork", "threads"}) == "fork" ? Launcher::fork : Launcher::threads;
   if (p.given("timeout")) l.timeout_s = p.seconds("timeout");
   l.quiet = p.on("quiet");
+  l.bind = p.choice("bind", {"cores", "none"}) == "cores" ? LaunchBind::cores : LaunchBind::none;
   return l;
 }
 
 RunOptions launch_options(const LaunchFlags& launch, int ranks) {
   RunOptions o;
   o.ranks = ranks;
-  o.launcher = launch.launcher;
-  o.timeout_s = launch.timeout_s;
-  o.quiet = launch.quiet;
+  apply_launch_flags(launch, o);
   return o;
 }
 
@@ -122,10 +133,7 @@ RunOptions read_run_flags(const FlagParser& p, const RunFlagRules& rules) {
   if (o.ranks_per_node > 0 && o.ranks % o.ranks_per_node != 0)
     throw UsageError(bad_value("ranks-per-node", "a divisor of --ranks (" + std::to_string(o.ranks) + ")",
                                std::to_string(o.ranks_per_node)));
-  const LaunchFlags launch = read_launch_flags(p);
-  o.launcher = launch.launcher;
-  o.timeout_s = launch.timeout_s;
-  o.quiet = launch.quiet;
+  apply_launch_flags(read_launch_flags(p), o);
 
   if (o.quant) {
     const char* name = quant_mode_name(*o.quant);
@@ -178,6 +186,7 @@ int run_ranks(const std::string& command, const RunOptions& opts, const RankBody
     return run_this_rank(command, std::move(bootstrap), body);
   };
   LaunchOptions lo;
+  lo.bind = opts.bind;
   if (opts.timeout_s) {
     lo.bootstrap_timeout = std::chrono::milliseconds(static_cast<int64_t>(*opts.timeout_s * 1000));
     lo.timeout = std::max(lo.timeout, lo.bootstrap_timeout * 3);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "epcomm/bootstrap.h"
+#include "epcomm/launch.h"
 #include "epcomm/tensor.h"
 #include "epcomm/types.h"
 #include "flags.h"
@@ -24,6 +25,7 @@ struct LaunchFlags {
   Launcher launcher = Launcher::fork;
   std::optional<double> timeout_s;  // none: EPCOMM_TIMEOUT_S, else 100
   bool quiet = false;
+  LaunchBind bind = LaunchBind::cores;  // --bind: each rank on its own share of the CPUs (LaunchBind)
 };
 
 // Validated values of the shared flags. Invariants: experts % ranks == 0, 1 <= topk <= experts.
@@ -45,6 +47,7 @@ struct RunOptions {
   std::optional<double> timeout_s;  // none: EPCOMM_TIMEOUT_S, else 100
   int64_t expert_alignment = 1;     // DispatchArgs::expert_alignment (bench --expert-alignment)
   bool quiet = false;
+  LaunchBind bind = LaunchBind::cores;
 
   int local_experts() const { return experts / ranks; }
   // Whether dispatch quantizes the rows (a --quant mode other than bf16, which copies bf16 rows).
