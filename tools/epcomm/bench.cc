@@ -781,8 +781,8 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
 // `epcomm bench --quantizers`: quant_bench.h on this thread, one JSON line per algorithm and variant.
 int run_quantizer_bench(const FlagParser& p) {
   for (const char* name : {"ranks", "experts", "topk", "order", "dtype", "seed", "quant", "num-nvl-bytes",
-                           "num-rdma-bytes", "ranks-per-node", "launcher", "timeout", "warmup", "bootstrap",
-                           "threads", "plot", "expert-alignment", "cached"})
+                           "num-rdma-bytes", "ranks-per-node", "launcher", "bind", "timeout", "warmup",
+                           "bootstrap", "threads", "plot", "expert-alignment", "cached"})
     if (p.given(name))
       throw UsageError(std::string("--quantizers: --") + name +
                        " does not apply (the quantizer benchmark reads --tokens, --hidden and --iters)");
@@ -876,6 +876,8 @@ int run_bench(int argc, char** argv) {
   const bool mpi = boot == "mpi" || (boot == "auto" && mpi_launched_world_size() > 0);
   if (mpi && p.given("launcher"))
     throw UsageError("--launcher: does not apply with --bootstrap mpi (mpirun starts the ranks)");
+  if (mpi && p.given("bind"))
+    throw UsageError("--bind: does not apply with --bootstrap mpi (mpirun binds the ranks: --bind-to core)");
   BenchOptions o;
   o.tokens = p.integer_list("tokens", 0, int64_t{1} << 30);
   o.warmup = static_cast<int>(p.integer("warmup", 0, 1000000));
