@@ -32,6 +32,10 @@ struct LaunchOptions {
   LaunchBind bind = LaunchBind::none;
 };
 
+// The CPUs that rank `rank` of `num_ranks` is bound to under `bind`, out of the calling thread's affinity
+// mask; empty when nothing is bound (LaunchBind::none, or fewer CPUs than ranks).
+std::vector<int> launch_cpu_share(LaunchBind bind, int rank, int num_ranks);
+
 struct RankExit {
   int rank;
   int exit_code;  // fn's return value (only its low 8 bits survive a process exit); 128 + signal when killed

@@ -20,6 +20,15 @@ namespace epcomm {
 namespace {
 std::atomic<int> g_num_threads{env::num_threads_default()};
 
+// The output reserve a Buffer faults in at creation. In low-latency mode it is at least num_rdma_bytes,
+// which get_low_latency_rdma_size_hint sizes for two calls' outputs: the first call's rows land on pages
+// that exist, like every later call's.
+int64_t output_reserve_bytes(const BufferOptions& o) {
+  return std::max<int64_t>(o.low_latency_mode ? std::max(o.num_output_reserve_bytes, o.num_rdma_bytes)
+                                              : o.num_output_reserve_bytes,
+                           0);
+}
+
 int64_t payload_bytes(const Payload& p) {
   return static_cast<int64_t>(p.data.nbytes() + (p.scales ? p.scales->nbytes() : 0));
 }
@@ -82,14 +91,9 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   req.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
   req.combine_input_bytes = options.num_combine_input_bytes;
   req.dispatch_input_bytes = options.num_dispatch_input_bytes;
-  // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers). In
-  // low-latency mode the reserve is at least num_rdma_bytes, which get_low_latency_rdma_size_hint sizes for
-  // two calls' outputs: the first call's rows land on pages that exist, like every later call's.
-  const int64_t reserve = options.low_latency_mode
-                              ? std::max(options.num_output_reserve_bytes, options.num_rdma_bytes)
-                              : options.num_output_reserve_bytes;
-  req.arena = {arena_bytes_for(options.num_output_arena_bytes),
-               static_cast<size_t>(std::max<int64_t>(reserve, 0))};
+  // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers).
+  const int64_t reserve = output_reserve_bytes(options);
+  req.arena = {arena_bytes_for(options.num_output_arena_bytes), static_cast<size_t>(reserve)};
   req.agree = {{"num_combine_input_bytes", options.num_combine_input_bytes},
                {"num_dispatch_input_bytes", options.num_dispatch_input_bytes},
                {"low_latency_mode", options.low_latency_mode}};
@@ -108,7 +112,7 @@ std::string Buffer::Impl::describe() const {
       detail::bytes_str(segment_bytes),
       num_nodes > 1 ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
       "; output arena ", arena ? detail::bytes_str(static_cast<int64_t>(arena->bytes())) : "none",
-      ", reserve ", detail::bytes_str(options.num_output_reserve_bytes), "; combine input ",
+      ", reserve ", detail::bytes_str(output_reserve_bytes(options)), "; combine input ",
       detail::bytes_str(options.num_combine_input_bytes), ", dispatch input ",
       detail::bytes_str(options.num_dispatch_input_bytes), "; receive order ",
       receive_order_name(options.receive_order), "; timeout ", timeout_s, " s; copy threads ",

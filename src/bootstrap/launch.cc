@@ -41,9 +41,7 @@ void check_launch_args(const char* who, int num_ranks, const RankFn& fn, const L
   EPCOMM_CHECK_GT(opts.timeout.count(), 0, who, ": the timeout must be positive (ms)");
 }
 
-// The CPUs rank `rank` of `num_ranks` is bound to under LaunchBind::cores (empty: none, or no binding),
-// out of the launching thread's mask.
-std::vector<int> cpu_share(LaunchBind bind, int rank, int num_ranks) {
+std::vector<int> cpu_share_of(LaunchBind bind, int rank, int num_ranks) {
   cpu_set_t allowed;
   if (bind == LaunchBind::none || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
   std::vector<int> cpus;
@@ -175,6 +173,10 @@ struct ThreadExits {
 
 }  // namespace
 
+std::vector<int> launch_cpu_share(LaunchBind bind, int rank, int num_ranks) {
+  return cpu_share_of(bind, rank, num_ranks);
+}
+
 std::vector<RankExit> launch_local(int num_ranks, const RankFn& fn, const LaunchOptions& opts) {
   check_launch_args("launch_local", num_ranks, fn, opts);
   const std::string job_id = bootstrap_detail::make_host_unique_id("job");
@@ -190,7 +192,7 @@ std::vector<RankExit> launch_local(int num_ranks, const RankFn& fn, const Launch
   std::vector<RankExit> exits(static_cast<size_t>(num_ranks));
   Children children(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
-    const std::vector<int> cpus = cpu_share(opts.bind, r, num_ranks);
+    const std::vector<int> cpus = cpu_share_of(opts.bind, r, num_ranks);
     pid_t pid = ::fork();
     if (pid == 0) child_main(parent, job_id, r, num_ranks, fn, timeout, opts.quiet, cpus);
     if (pid < 0) {
@@ -235,7 +237,7 @@ std::vector<RankExit> launch_threads(int num_ranks, const RankFn& fn, const Laun
   state.done.assign(static_cast<size_t>(num_ranks), false);
   std::vector<std::thread> threads;
   auto body = [&](int rank) {
-    bind_to(cpu_share(opts.bind, rank, num_ranks));  // (this thread's mask is the launcher's until here)
+    bind_to(cpu_share_of(opts.bind, rank, num_ranks));  // (this thread's mask is the launcher's until here)
     int code = run_rank(
         rank, fn, [&] { return make_in_process_bootstrap(world, rank); }, opts.quiet);
     std::lock_guard<std::mutex> lock(state.mu);

@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 
 FIELDS = [
     "op", "order", "ranks", "tokens", "hidden", "topk", "experts", "expert_alignment", "dtype", "quant", "cached",
-    "launcher", "threads", "iters", "warmup", "rows", "row_bytes", "bytes", "bytes_bf16_equiv",
+    "launcher", "bind", "threads", "iters", "warmup", "rows", "row_bytes", "bytes", "bytes_bf16_equiv",
     "time_us_median", "time_us_min", "time_us_p99", "time_us_max", "gbps", "gbps_bf16_equiv", "memcpy_gbps",
     "ratio_to_memcpy", "baseline_time_us_median", "baseline_gbps", "speedup_vs_baseline", "baseline_verified",
     "verified", "combine_input", "segment_bytes", "first_iter_us", "first_iter_ratio", "peak_rss_mb", "peak_rss_mb_per_rank",

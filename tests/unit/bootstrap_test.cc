@@ -523,6 +523,10 @@ TEST(Launchers, BindCoresGivesEachRankItsShareOfTheCpus) {
                      (bind == LaunchBind::cores ? " cores " : " none ") + std::to_string(ranks) + " ranks");
         expect_all_exit(exits, ranks, 0);
         EXPECT_EQ(my_cpus(), all) << "the launching thread keeps its mask";
+        for (int r = 0; r < ranks; ++r)  // what the launcher reports (empty: unbound)
+          EXPECT_EQ(launch_cpu_share(bind, r, ranks), bind == LaunchBind::cores && n >= ranks
+                                                          ? expected_share(all, r, ranks)
+                                                          : std::vector<int>{});
       }
 }
 

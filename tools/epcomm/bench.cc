@@ -535,6 +535,7 @@ void print_lines(const BenchOptions& o, ReceiveOrder order, const OrderReport& r
         .add("quant", ro.quant_name())
         .add("cached", o.cached)
         .add("launcher", launcher_name(ro.launcher))
+        .add("bind", ranks_bind_name())
         .add("threads", o.threads)
         .add("iters", iters)
         .add("warmup", o.warmup)

@@ -288,6 +288,7 @@ void report(const LlBenchOptions& o, int W, const std::vector<double>& starts,
     j.add("hook", op == kHookOp)
         .add("zero_copy", o.zero_copy)
         .add("ranks", W)
+        .add("bind", ranks_bind_name())
         .add("tokens", o.tokens)
         .add("hidden", o.hidden);
     j.add("topk", o.topk).add("experts", o.experts).add("iters", o.iters).add("warmup", o.warmup);

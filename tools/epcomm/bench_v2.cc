@@ -267,7 +267,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
       const int64_t bytes = selections * row_bytes;
       const double med = tm.median;
       const double per = med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0;
-      double net_bytes = 0;  // all ranks, one call
+      double net_bytes = 0;                           // all ranks, one call
       std::vector<double> first_starts, first_times;  // the group's first call, timed as the others
       for (int s = 0; s < W; ++s) {
         net_bytes += all_net[2 * static_cast<size_t>(s) + op];
@@ -288,6 +288,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("quant_mode", o.quant_mode)
           .add("comm_quant_mode", o.comm_quant)
           .add("launcher", o.launch.launcher == Launcher::fork ? "fork" : "threads")
+          .add("bind", ranks_bind_name())
           .add("iters", o.iters)
           .add("warmup", o.warmup)
           .add("selections", selections)

@@ -82,6 +82,12 @@ void add_launch_flags(FlagParser& p) {
         "kernel puts them (ranks that share a CPU wait on each other through the scheduler)");
 }
 
+static bool g_ranks_bound = false;  // run_ranks: whether the ranks of this job are bound (ranks_bind_name)
+
+const char* ranks_bind_name() {
+  return g_ranks_bound ? "cores" : "none";
+}
+
 // The launch flags' part of RunOptions.
 void apply_launch_flags(const LaunchFlags& launch, RunOptions& o) {
   o.launcher = launch.launcher;
@@ -187,6 +193,7 @@ int run_ranks(const std::string& command, const RunOptions& opts, const RankBody
   };
   LaunchOptions lo;
   lo.bind = opts.bind;
+  g_ranks_bound = !launch_cpu_share(opts.bind, 0, opts.ranks).empty();  // (the ranks inherit it)
   if (opts.timeout_s) {
     lo.bootstrap_timeout = std::chrono::milliseconds(static_cast<int64_t>(*opts.timeout_s * 1000));
     lo.timeout = std::max(lo.timeout, lo.bootstrap_timeout * 3);

@@ -74,6 +74,9 @@ struct RunFlagRules {
 };
 
 void add_run_flags(FlagParser& parser, const RunDefaults& defaults);
+// What the bench reports as `bind`: "cores" when run_ranks bound this job's ranks (LaunchBind::cores and
+// at least as many CPUs as ranks), else "none" (also under mpirun, which binds as it is told).
+const char* ranks_bind_name();
 // --launcher, --timeout and --quiet alone (add_run_flags adds them too), for the commands with flags of
 // their own (--api distribute-v2, low-latency).
 void add_launch_flags(FlagParser& parser);
