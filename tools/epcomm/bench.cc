@@ -31,7 +31,8 @@ const char* kBenchEpilog =
     "--tokens 256,1024,4096,16384) and each receive order (both unless --order is given) it runs --warmup\n"
     "untimed and --iters timed iterations of dispatch followed by combine (combine feeds the dispatched "
     "rows\n"
-    "back as expert outputs). A bootstrap barrier precedes every timed call; an iteration's time runs from\n"
+    "back as expert outputs). A bootstrap barrier precedes every timed call, and follows each dispatch (so\n"
+    "that no rank's untimed work takes a core from a rank still in the call); an iteration's time runs from\n"
     "the last rank's call to the last rank's return (ranks on one host share one clock; across hosts: the\n"
     "slowest rank's own time). A collective cannot end before its last rank calls it, so this leaves out\n"
     "the skew with which the barrier released the ranks (start_skew_us_median; rank_time_us_median is the\n"
@@ -358,6 +359,7 @@ OrderRun run_order(const BenchOptions& o, ReceiveOrder order, Buffer& buffer, Bo
     const double t0d = now_s();
     std::optional<DispatchResult> d = buffer.dispatch(da);
     const double td = now_s() - t0d;
+    bs.barrier();  // every call ends before the untimed work below takes a core from a rank still in it
     const DispatchResult& layout = fresh ? *fresh : *d;  // handle, ids and weights (of the fresh dispatch)
     CombineArgs ca;
     ca.x = combine_input(ro, *d);

@@ -27,8 +27,9 @@ const char* kEpilog =
     "--warmup untimed and --iters timed iterations of low_latency_dispatch, then of low_latency_combine "
     "(the\n"
     "expert outputs are the dispatched rows, in the zero-copy combine buffer with --zero-copy), then of the\n"
-    "round trip (dispatch then combine, no barrier between). A bootstrap barrier precedes every timed call;\n"
-    "an iteration's time runs from the last rank's call to the last rank's return. first_iter_ratio is the\n"
+    "round trip (dispatch then combine, no barrier between). A bootstrap barrier precedes and follows every\n"
+    "timed call (so that no rank's untimed work takes a core from a rank still in the call); an iteration's\n"
+    "time runs from the last rank's call to the last rank's return. first_iter_ratio is the\n"
     "first timed iteration over the median (no warm-up by default: the first call is part of the target).\n"
     "The first iteration is checked outside the timings: every valid row of every local expert equals its\n"
     "source token's row (bf16; the counts for fp8) and combine returns x * sum(w) within calc_diff < 1e-5\n"
@@ -213,6 +214,9 @@ void measure(const LlBenchOptions& o, int r, int W, Buffer& buffer, Bootstrap& b
     double t0 = now_s();
     LowLatencyDispatchResult d = buffer.low_latency_dispatch(in.dispatch);
     const double td = now_s() - t0;
+    // Every rank's call ends before any rank writes its expert outputs (untimed): with more ranks than
+    // cores, a rank done early would otherwise take a core from the ranks still in the call.
+    bs.barrier();
     const Tensor y = expert_outputs(o, buffer, d, plain);
     bs.barrier();
     const double t1 = now_s();
