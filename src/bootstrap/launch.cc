@@ -41,6 +41,9 @@ void check_launch_args(const char* who, int num_ranks, const RankFn& fn, const L
   EPCOMM_CHECK_GT(opts.timeout.count(), 0, who, ": the timeout must be positive (ms)");
 }
 
+// launch_cpu_share: the r-th of num_ranks equal groups of the calling thread's CPUs, consecutive in its mask
+// (the CPUs left over by the division stay unused); empty under LaunchBind::none or with fewer CPUs than
+// ranks.
 std::vector<int> cpu_share_of(LaunchBind bind, int rank, int num_ranks) {
   cpu_set_t allowed;
   if (bind == LaunchBind::none || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
