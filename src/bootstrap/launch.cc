@@ -22,6 +22,7 @@
 #include "bootstrap/unique_id.h"
 #include "common/check.h"
 #include "common/env.h"
+#include "common/log.h"
 
 namespace epcomm {
 namespace {
@@ -56,13 +57,17 @@ std::vector<int> cpu_share_of(LaunchBind bind, int rank, int num_ranks) {
                           cpus.begin() + static_cast<std::ptrdiff_t>(per * (rank + 1)));
 }
 
-// Binds the calling thread to `cpus` (nothing when empty); a failure leaves it unbound.
-void bind_to(const std::vector<int>& cpus) {
+// Binds the calling thread (rank `rank`) to `cpus` (nothing when empty); a failure leaves it unbound and
+// logs a warning.
+void bind_to(const std::vector<int>& cpus, int rank) {
   if (cpus.empty()) return;
   cpu_set_t set;
   CPU_ZERO(&set);
   for (int c : cpus) CPU_SET(c, &set);
-  (void)sched_setaffinity(0, sizeof set, &set);
+  if (sched_setaffinity(0, sizeof set, &set) == 0) return;
+  const int err = errno;
+  EPCOMM_LOG(warn, rank, "launch: could not bind the rank to its ", cpus.size(), " CPUs (", cpus.front(),
+             " to ", cpus.back(), ", LaunchBind::cores): ", std::strerror(err), "; it runs unbound");
 }
 
 // Builds the rank's bootstrap and runs fn; an escaping exception becomes exit code 1 and one stderr line.
@@ -149,7 +154,7 @@ class Children {
   // A child must not outlive a launcher that was killed (a test timeout, say) and hold the host's cores.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != parent) ::_exit(1);
-  bind_to(cpus);
+  bind_to(cpus, rank);
   int code = run_rank(
       rank, fn, [&] { return make_local_bootstrap(job_id, rank, num_ranks, timeout); }, quiet);
   std::cout.flush();
@@ -240,7 +245,8 @@ std::vector<RankExit> launch_threads(int num_ranks, const RankFn& fn, const Laun
   state.done.assign(static_cast<size_t>(num_ranks), false);
   std::vector<std::thread> threads;
   auto body = [&](int rank) {
-    bind_to(cpu_share_of(opts.bind, rank, num_ranks));  // (this thread's mask is the launcher's until here)
+    bind_to(cpu_share_of(opts.bind, rank, num_ranks),
+            rank);  // (this thread's mask is the launcher's until here)
     int code = run_rank(
         rank, fn, [&] { return make_in_process_bootstrap(world, rank); }, opts.quiet);
     std::lock_guard<std::mutex> lock(state.mu);
