@@ -42,21 +42,6 @@ void check_launch_args(const char* who, int num_ranks, const RankFn& fn, const L
   EPCOMM_CHECK_GT(opts.timeout.count(), 0, who, ": the timeout must be positive (ms)");
 }
 
-// launch_cpu_share: the r-th of num_ranks equal groups of the calling thread's CPUs, consecutive in its mask
-// (the CPUs left over by the division stay unused); empty under LaunchBind::none or with fewer CPUs than
-// ranks.
-std::vector<int> cpu_share_of(LaunchBind bind, int rank, int num_ranks) {
-  cpu_set_t allowed;
-  if (bind == LaunchBind::none || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
-  const size_t per = cpus.size() / static_cast<size_t>(num_ranks);
-  if (per == 0) return {};
-  return std::vector<int>(cpus.begin() + static_cast<std::ptrdiff_t>(per * rank),
-                          cpus.begin() + static_cast<std::ptrdiff_t>(per * (rank + 1)));
-}
-
 // Binds the calling thread (rank `rank`) to `cpus` (nothing when empty); a failure leaves it unbound and
 // logs a warning.
 void bind_to(const std::vector<int>& cpus, int rank) {
@@ -181,8 +166,18 @@ struct ThreadExits {
 
 }  // namespace
 
+// The r-th of num_ranks equal groups of the calling thread's CPUs, consecutive in its mask (the CPUs left
+// over by the division stay unused).
 std::vector<int> launch_cpu_share(LaunchBind bind, int rank, int num_ranks) {
-  return cpu_share_of(bind, rank, num_ranks);
+  cpu_set_t allowed;
+  if (bind == LaunchBind::none || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  const size_t per = cpus.size() / static_cast<size_t>(num_ranks);
+  if (per == 0) return {};
+  return std::vector<int>(cpus.begin() + static_cast<std::ptrdiff_t>(per * rank),
+                          cpus.begin() + static_cast<std::ptrdiff_t>(per * (rank + 1)));
 }
 
 std::vector<RankExit> launch_local(int num_ranks, const RankFn& fn, const LaunchOptions& opts) {
@@ -200,7 +195,7 @@ std::vector<RankExit> launch_local(int num_ranks, const RankFn& fn, const Launch
   std::vector<RankExit> exits(static_cast<size_t>(num_ranks));
   Children children(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
-    const std::vector<int> cpus = cpu_share_of(opts.bind, r, num_ranks);
+    const std::vector<int> cpus = launch_cpu_share(opts.bind, r, num_ranks);
     pid_t pid = ::fork();
     if (pid == 0) child_main(parent, job_id, r, num_ranks, fn, timeout, opts.quiet, cpus);
     if (pid < 0) {
@@ -245,8 +240,8 @@ std::vector<RankExit> launch_threads(int num_ranks, const RankFn& fn, const Laun
   state.done.assign(static_cast<size_t>(num_ranks), false);
   std::vector<std::thread> threads;
   auto body = [&](int rank) {
-    bind_to(cpu_share_of(opts.bind, rank, num_ranks),
-            rank);  // (this thread's mask is the launcher's until here)
+    // A new thread starts with the launcher's mask, so its share is computed from that mask here.
+    bind_to(launch_cpu_share(opts.bind, rank, num_ranks), rank);
     int code = run_rank(
         rank, fn, [&] { return make_in_process_bootstrap(world, rank); }, opts.quiet);
     std::lock_guard<std::mutex> lock(state.mu);
