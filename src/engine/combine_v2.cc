@@ -235,6 +235,9 @@ struct CombineV2Call {
   std::vector<uint8_t> node_contributes;
   std::vector<const uint8_t*> remote_row;
   std::vector<int32_t> remote_writer;
+  // Our own rows of the open window, read in place from our x (comm_quant_mode 0): their slots stay empty.
+  bool own_in_place = false;
+  std::vector<const uint8_t*> own_row;
   std::vector<int64_t> px_windows, px_opened, px_forwarded;
   std::vector<uint64_t> px_ticket;
   std::vector<std::vector<int32_t>> px_head;
@@ -368,6 +371,10 @@ void CombineV2Call::plan_windows() {
     }
   }
   my_windows = in.bs > 0 ? ceil_div(in.bs, per_window) : 0;
+  // Rows we return to ourselves are reduced straight from our x: with comm_quant_mode 2 every row is
+  // compressed on the way, ours too, so they still go through the slots.
+  own_in_place = in.comm_quant != 2;
+  if (own_in_place) own_row.assign(static_cast<size_t>(per_window) * slots, nullptr);
 }
 
 void CombineV2Call::move_rows() {
@@ -396,6 +403,10 @@ void CombineV2Call::fill_row(int o, int64_t w, int64_t t0, int32_t i) {
   const int64_t idx = (t - t0) * slots + slot;
   uint8_t* dst = ctx.data(o) + static_cast<size_t>(idx) * geo.row_stride;
   const uint8_t* src = in.rows + static_cast<size_t>(i) * row_bytes;
+  if (o == me && own_in_place) {  // prepare_combine_v2 rejected duplicates among our own rows
+    own_row[idx] = src;
+    return;
+  }
   if (in.comm_quant == 2)
     quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
                                reinterpret_cast<uint16_t*>(dst + H));
@@ -413,6 +424,7 @@ void CombineV2Call::fill_row(int o, int64_t w, int64_t t0, int32_t i) {
 void CombineV2Call::open_window() {
   const int64_t t0 = reduced * per_window, t1 = std::min(in.bs, t0 + per_window);
   for (int64_t idx = 0; idx < (t1 - t0) * slots; ++idx) tag_at(me, idx)->store(0, std::memory_order_relaxed);
+  if (own_in_place) std::fill(own_row.begin(), own_row.end(), nullptr);
   ctx.control(me)->combine_open.store(pack(seq, reduced + 1), std::memory_order_seq_cst);
   for (int s = 0; s < W; ++s)
     if (contributes[s] && s != me && !ctx.remote(s)) ctx.notify(s);
@@ -449,9 +461,10 @@ void CombineV2Call::gather_remote(int64_t w, int64_t n_slots) {
                             inter->topo.rail(n), " (proxy on node ", n, ") returned slot ", idx,
                             " outside window ", w);
       const uint64_t local = tag_at(me, idx)->load(std::memory_order_acquire);
-      const int other = remote_row[idx]           ? remote_writer[idx]
-                        : stamp_is(local, seq, w) ? stamp_writer(local)
-                                                  : -1;
+      const int other = remote_row[idx]                ? remote_writer[idx]
+                        : stamp_is(local, seq, w)      ? stamp_writer(local)
+                        : own_in_place && own_row[idx] ? me
+                                                       : -1;
       if (other >= 0)
         EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", other, " and ",
                      ctx.peer_word(), " ", writer, " both return a row for (t=", w * per_window + idx / slots,
@@ -477,6 +490,15 @@ int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0, TokenScratch& 
       arrived = true;
       writer = remote_writer[idx];
       src = remote_row[idx];
+    }
+    if (own_in_place && own_row[idx]) {
+      if (arrived)
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", writer,
+                     " and this rank both return a row for (t=", t, ", slot=", s,
+                     ") of this rank (duplicate row)");
+      arrived = true;
+      writer = me;
+      src = own_row[idx];
     }
     const bool wanted = act && (s >= K || in.ids[t * K + s] >= 0);
     if (arrived && !wanted)

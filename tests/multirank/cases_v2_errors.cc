@@ -546,6 +546,49 @@ MR_CASE("v2_mismatch", {false, 2}) {
   run_v2(g, run, "after the mismatch: ");
 }
 
+MR_CASE("v2_duplicate_across_ranks", {false, 2}) {
+  // Rank 1 relabels its last row for ep rank 0 as (t', k'), the first slot whose row rank 0 keeps for
+  // itself (combine reads those in place, they fill no slot): rank 0 raises InvalidUsage naming rank 1 and
+  // the slot. Rank 1 may finish first or see the failure; either way nobody hangs.
+  REQUIRE(ctx.size == 2, "two ranks, got ", ctx.size);
+  V2Groups g = make_v2_groups(ctx, 0, 256 << 10, 20);
+  V2Spec s = small_spec(2);
+  const V2Problem P = make_v2_problem(s);
+  moe::DispatchV2Args a = dispatch_args(P, ctx.rank, 0);
+  moe::DispatchV2Result d = moe::dispatch_v2(*g.ep, nullptr, a);
+  std::vector<uint8_t> out(static_cast<size_t>(d.expand_x.size(0) * s.H) * 2, 0);
+  for (size_t i = 0; i < out.size(); i += 2) out[i + 1] = 0x3F;
+  moe::CombineV2Args c = combine_args(P, ctx.rank, 0, d, out);
+  std::vector<int32_t> assist(
+      c.assist_info_for_combine.data_as<int32_t>(),
+      c.assist_info_for_combine.data_as<int32_t>() + c.assist_info_for_combine.numel());
+  int64_t own_t = -1, own_k = -1;  // rank 0's first slot served by rank 0
+  const V2Rank& r0 = P.at(0, 0);
+  for (int64_t t = 0; t < r0.bs && own_t < 0; ++t)
+    for (int k = 0; k < s.K && own_t < 0; ++k)
+      if (r0.ids[t * s.K + k] / s.L() == 0) own_t = t, own_k = k;
+  int64_t last = -1;  // rank 1's row for rank 0 with the largest (t, k), among its n_own rows
+  const int64_t n_own = c.ep_send_counts.data_as<int32_t>()[c.ep_send_counts.numel() - 1];
+  auto key = [&](int64_t i) { return assist[3 * i + 1] * s.K + assist[3 * i + 2]; };
+  for (int64_t i = 0; i < n_own; ++i)
+    if (assist[3 * i] == 0 && (last < 0 || key(i) > key(last))) last = i;
+  if (ctx.rank == 1) {
+    REQUIRE(own_t >= 0 && last >= 0 && own_t * s.K + own_k < key(last),
+            "seed 77 must give rank 0 an own slot before rank 1's last row for it");
+    assist[3 * last + 1] = static_cast<int32_t>(own_t);
+    assist[3 * last + 2] = static_cast<int32_t>(own_k);
+    c.assist_info_for_combine = Tensor::wrap(assist.data(), DType::i32, c.assist_info_for_combine.shape());
+    try {
+      moe::combine_v2(*g.ep, nullptr, c);
+    } catch (const Error&) {  // rank 0's failure notice may arrive first
+    }
+    return;
+  }
+  expect_error([&] { moe::combine_v2(*g.ep, nullptr, c); }, ErrorCode::InvalidUsage,
+               {"ep rank 1 and this rank both return a row",
+                epcomm::detail::cat("(t=", own_t, ", slot=", own_k, ")").c_str(), "duplicate row"});
+}
+
 MR_CASE("v2_peer_validation_abort", {false, 2}) {
   // Rank 1 passes an out-of-range expert id: it raises InvalidUsage, every other rank raises Aborted naming
   // ep rank 1 at once (far below the deadline), and the next call works.
