@@ -2,7 +2,9 @@
 // first reduces its rows; then each origin opens a window over its own tokens with one fixed slot per (token,
 // slot ∈ [0, K+S)), every rank writes its rows (int8-compressed with comm_quant_mode 2) into the origins'
 // slots and stamps each slot, and the origin checks the stamps against its own mask and ids and reduces in
-// the fixed order (MoE slots by k, shared experts by s, shared_expert_x) with one rounding.
+// the fixed order (MoE slots by k, shared experts by s, shared_expert_x) with one rounding. The rows an
+// origin returns to itself are read in place from its x (uncompressed: with comm_quant_mode 2 they take the
+// slots like every other row).
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
@@ -389,10 +391,11 @@ void CombineV2Call::fill(int o, int64_t w) {
   const int64_t end = in.origin_offsets[o + 1], first = pos[o];
   int64_t last = first;
   while (last < end && in.assist[3 * in.origin_rows[last] + 1] < t1) ++last;
-  for_parts(in.workers, in.threads, (last - first) * static_cast<int64_t>(row_bytes), last - first,
-            [&](int64_t b, int64_t e) {
-              for (int64_t p = first + b; p < first + e; ++p) fill_row(o, w, t0, in.origin_rows[p]);
-            });
+  // Our own rows are pointers (own_in_place): only copied rows are worth more threads.
+  const int64_t bytes = o == me && own_in_place ? 0 : (last - first) * static_cast<int64_t>(row_bytes);
+  for_parts(in.workers, in.threads, bytes, last - first, [&](int64_t b, int64_t e) {
+    for (int64_t p = first + b; p < first + e; ++p) fill_row(o, w, t0, in.origin_rows[p]);
+  });
   pos[o] = last;
 }
 
