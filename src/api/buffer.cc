@@ -2,11 +2,10 @@
 // the caller's thread, run on the communication thread, return early when async_finish is set).
 #include "api/buffer_impl.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 
+#include "api/arena_allocator.h"
 #include "api/event_state.h"
 #include "api/setup_log.h"
 #include "common/check.h"
@@ -33,30 +32,6 @@ int64_t payload_bytes(const Payload& p) {
   return static_cast<int64_t>(p.data.nbytes() + (p.scales ? p.scales->nbytes() : 0));
 }
 
-// Outputs from the rank's output arena, handed to the user's allocator (adopt); from the allocator itself
-// once the arena has no room.
-class ArenaAllocator final : public Allocator {
- public:
-  ArenaAllocator(std::shared_ptr<OutputArena> arena, std::shared_ptr<Allocator> user)
-      : arena_(std::move(arena)), user_(std::move(user)) {}
-  Tensor allocate(DType dtype, const Shape& shape) override {
-    Tensor t = arena_->allocate(dtype, shape);
-    return t.defined() ? user_->adopt(std::move(t)) : user_->allocate(dtype, shape);
-  }
-  void reserve(size_t bytes) override { arena_->reserve(bytes); }
-  Tensor adopt(Tensor t) override { return user_->adopt(std::move(t)); }
-
- private:
-  std::shared_ptr<OutputArena> arena_;
-  std::shared_ptr<Allocator> user_;
-};
-
-// BufferOptions::num_output_arena_bytes resolved: -1 = EPCOMM_OUTPUT_ARENA, else the physical memory.
-size_t arena_bytes_for(int64_t option) {
-  int64_t n = option >= 0 ? option : env::output_arena_bytes();
-  if (n < 0) n = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-  return static_cast<size_t>(std::max<int64_t>(n, 0));
-}
 }  // namespace
 
 // ---- construction -------------------------------------------------------------------------------------
@@ -93,13 +68,13 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   req.dispatch_input_bytes = options.num_dispatch_input_bytes;
   // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers).
   const int64_t reserve = output_reserve_bytes(options);
-  req.arena = {arena_bytes_for(options.num_output_arena_bytes), static_cast<size_t>(reserve)};
+  req.arena = {detail::arena_bytes_for(options.num_output_arena_bytes), static_cast<size_t>(reserve)};
   req.agree = {{"num_combine_input_bytes", options.num_combine_input_bytes},
                {"num_dispatch_input_bytes", options.num_dispatch_input_bytes},
                {"low_latency_mode", options.low_latency_mode}};
   req.agree_text = {{"flavor", options.flavor}};
   b.open(*group, req);
-  if (auto a = b.transport->output_arena()) b.allocator = std::make_shared<ArenaAllocator>(a, b.allocator);
+  if (auto a = b.transport->output_arena()) b.allocator = std::make_shared<detail::ArenaAllocator>(a, b.allocator);
   if (reserve > 0 && !b.transport->output_arena()) b.allocator->reserve(static_cast<size_t>(reserve));
   b.start_comm_thread();
   EPCOMM_LOG(info, b.rank, "Buffer: ", b.describe());

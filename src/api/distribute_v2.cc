@@ -8,6 +8,7 @@
 // stage fails its group under the one policy of every communication context (detail::run_call: after data
 // started moving, on a timeout, a peer's failure or an internal error); the other group of the call gets a
 // failed header instead of silence.
+#include <cstring>
 #include <memory>
 #include <mutex>
 
@@ -134,6 +135,19 @@ void set_copy_threads(const Call& call, const OpOptions& o, In& in) {
                                     call.ep.group->transport->size());
 }
 
+// Allocated expand_x / dynamic_scales were not zeroed: every row the call wrote is valid, the rest are zeros
+// (docs/distribute-v2.md).
+void zero_unwritten_rows(const detail::DispatchPlan& plan, const engine::v2::DispatchV2Output& out) {
+  const DispatchV2Result& r = plan.result;
+  const int64_t written = out.n_own + out.n_peer;
+  auto zero_from = [written](const Tensor& t, size_t row_bytes) {
+    const size_t from = static_cast<size_t>(written) * row_bytes;
+    if (t.nbytes() > from) std::memset(t.data_as<uint8_t>() + from, 0, t.nbytes() - from);
+  };
+  if (plan.zero_tail_x) zero_from(r.expand_x, plan.in.fmt.data_bytes);
+  if (plan.zero_tail_scales) zero_from(r.dynamic_scales, plan.in.fmt.scale_bytes);
+}
+
 }  // namespace
 
 DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2Args& a, const OpOptions& o) {
@@ -154,6 +168,10 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
   out.ep_recv_counts = r.ep_recv_counts.data_as<int32_t>();
   out.tp_recv_counts = plan.tp_world_size > 0 ? r.tp_recv_counts.data_as<int32_t>() : nullptr;
   out.expand_scales = a.expert_scales ? r.expand_scales.data_as<float>() : nullptr;
+  if (const auto arena = call.ep.group->arena()) {
+    out.expand_x_offset = arena->offset_of(r.expand_x.data(), r.expand_x.nbytes());
+    if (out.dynamic_scales) out.scales_offset = arena->offset_of(r.dynamic_scales.data(), r.dynamic_scales.nbytes());
+  }
   call.run(call.ep, call.tp ? &call.tp : nullptr, [&](OpContext& ctx, const std::function<void()>& moving) {
     engine::v2::run_dispatch_v2(ctx, plan.in, out, moving);
   });
@@ -162,6 +180,7 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
       engine::v2::run_dispatch_v2_tp(ctx, plan.in, out, moving);
     });
   engine::v2::write_dispatch_counts(plan.in, out, plan.tp_world_size, plan.tp_rank);
+  zero_unwritten_rows(plan, out);
   return r;
 }
 

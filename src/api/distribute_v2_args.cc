@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "api/moe_context.h"
 #include "common/check.h"
 #include "quant/block.h"
 
@@ -70,12 +71,13 @@ void check_output_bytes(const DispatchV2Args& a, int64_t A, double rows_bytes, i
 }
 
 // A caller output buffer (docs/distribute-v2.md): exact dtype, first dim >= required, other dims exact,
-// contiguous. Without one, a zero-filled tensor from `alloc` (default_allocator() when null).
+// contiguous. Without one, a zero-filled tensor from `alloc` (default_allocator() when null); `zero` false
+// leaves it to the caller (the call writes its valid rows and zeroes the rest after it).
 Tensor output(const std::optional<Tensor>& given, const char* name, DType dtype, const Shape& shape,
-              Allocator* alloc, std::initializer_list<DType> also_ok = {}) {
+              Allocator* alloc, std::initializer_list<DType> also_ok = {}, bool zero = true) {
   if (!given) {
     Tensor t = empty(dtype, shape, alloc);
-    if (t.nbytes()) std::memset(t.data(), 0, t.nbytes());
+    if (zero && t.nbytes()) std::memset(t.data(), 0, t.nbytes());
     return t;
   }
   const Tensor& g = *given;
@@ -336,9 +338,11 @@ void read_smoothing(const DispatchV2Args& a, int64_t H, int64_t table_rows, Disp
 }
 
 // The outputs of docs/distribute-v2.md: the caller's buffers, checked, or zero-filled tensors from
-// o.allocator once their total size is known to fit this host.
+// o.allocator once their total size is known to fit this host. expand_x and the scale rows come from the
+// group's output arena (`rows_alloc`), so that senders can write rows into them; the call writes their valid
+// rows and dispatch_v2 zeroes the tail after it.
 void allocate_dispatch_outputs(const DispatchV2Args& a, const OpOptions& o, const Layout& lay, DType out_dt,
-                               int64_t H, DispatchPlan& p) {
+                               int64_t H, Allocator* rows_alloc, DispatchPlan& p) {
   const int64_t mode = a.quant_mode;
   const auto& in = p.in;
   const int me = in.me;
@@ -351,15 +355,20 @@ void allocate_dispatch_outputs(const DispatchV2Args& a, const OpOptions& o, cons
                      Lp, lay);
   Allocator* alloc = o.allocator.get();
   DispatchV2Result& r = p.result;
-  r.expand_x = output(a.expand_x_out, "expand_x_out", out_dt, {rows, H}, alloc);
+  r.expand_x = output(a.expand_x_out, "expand_x_out", out_dt, {rows, H}, rows_alloc, {}, false);
+  p.zero_tail_x = !a.expand_x_out;
+  const bool scale_rows = in.fmt.scale_bytes > 0;  // written per row (modes 2-4); else zeros throughout
+  Allocator* scales_alloc = scale_rows ? rows_alloc : alloc;
   if (mode == 3)
-    r.dynamic_scales =
-        output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows, ceil_div(H, 128)}, alloc);
+    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows, ceil_div(H, 128)},
+                              scales_alloc, {}, false);
   else if (mode == 4)
     r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::u8,
-                              {rows, static_cast<int64_t>(in.fmt.scale_bytes)}, alloc, {DType::e8m0});
+                              {rows, static_cast<int64_t>(in.fmt.scale_bytes)}, scales_alloc, {DType::e8m0}, false);
   else
-    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows}, alloc);
+    r.dynamic_scales =
+        output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows}, scales_alloc, {}, !scale_rows);
+  p.zero_tail_scales = scale_rows && !a.dynamic_scales_out;
   r.assist_info_for_combine =
       output(a.assist_info_for_combine_out, "assist_info_for_combine_out", DType::i32, {p.A * 128}, alloc);
   r.expert_token_nums = output(a.expert_token_nums_out, "expert_token_nums_out", DType::i64, {Lp}, alloc);
@@ -503,7 +512,7 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
 
   p.tp_world_size = static_cast<int>(a.tp_world_size);
   p.tp_rank = static_cast<int>(a.tp_rank_id);
-  allocate_dispatch_outputs(a, o, lay, out_dt, H, p);
+  allocate_dispatch_outputs(a, o, lay, out_dt, H, moe::context_of(ep).output_allocator(o.allocator).get(), p);
 }
 
 void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const CombineAddRmsNormArgs* norm,

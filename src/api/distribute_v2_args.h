@@ -33,6 +33,9 @@ struct DispatchPlan {
   std::vector<float> scales_copy;  // smoothing values when `scales` was not contiguous
   std::vector<uint8_t> x_copy;     // x when its rows were not contiguous
   DispatchV2Result result;         // outputs, allocated (zeroed) or the caller's
+  // expand_x / dynamic_scales were allocated without zeroing: their rows past the written ones are zeroed
+  // after the call.
+  bool zero_tail_x = false, zero_tail_scales = false;
 };
 
 struct CombinePlan {

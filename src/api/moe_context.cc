@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "api/arena_allocator.h"
 #include "api/setup_log.h"
 #include "common/check.h"
 #include "common/env.h"
@@ -33,18 +34,29 @@ void create_context(Group& group, const GroupContextOptions& options) {
   req.ranks_per_node = options.ranks_per_node;
   if (req.ranks_per_node == 0 && env::ranks_per_node() > 0)
     req.ranks_per_node = std::min(env::ranks_per_node(), group.size());
+  EPCOMM_CHECK(options.num_output_arena_bytes >= -1, pre,
+               "argument: num_output_arena_bytes: expected >= 0, or -1 for auto, got ",
+               options.num_output_arena_bytes);
+  req.arena = {epcomm::detail::arena_bytes_for(options.num_output_arena_bytes), 0};
   auto ctx = std::make_shared<GroupContext>();
   ctx->open(group, req);
   EPCOMM_LOG(
       info, group.rank(), "moe group context: ",
       epcomm::detail::describe_ranks(group.rank(), ctx->node_of_rank, *ctx->transport, ctx->network.get()),
-      "; segment ", detail::bytes_str(ctx->segment_bytes),
+      "; segment ", detail::bytes_str(ctx->segment_bytes), "; output arena ",
+      ctx->arena() ? detail::bytes_str(static_cast<int64_t>(ctx->arena()->bytes())) : std::string("none"),
       ctx->network ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
       "; timeout ", ctx->timeout_s, " s");
   group.moe_context() = std::move(ctx);
 }
 
 }  // namespace
+
+std::shared_ptr<Allocator> GroupContext::output_allocator(const std::shared_ptr<Allocator>& user) const {
+  std::shared_ptr<Allocator> u = user ? user : default_allocator();
+  if (auto a = arena()) return std::make_shared<epcomm::detail::ArenaAllocator>(std::move(a), std::move(u));
+  return u;
+}
 
 GroupContext& context_of(Group& group) {
   if (!group.moe_context()) create_context(group, {});
@@ -56,6 +68,14 @@ void init_group_context(Group& group, const GroupContextOptions& options) {
       !group.moe_context(), "epcomm[rank ", group.rank(),
       "] init_group_context: argument: the group already has a context (created by an earlier call)");
   create_context(group, options);
+}
+
+Tensor output_buffer(Group& ep_group, DType dtype, const Shape& shape,
+                     const std::shared_ptr<Allocator>& allocator) {
+  for (int64_t d : shape)
+    EPCOMM_CHECK(d >= 0, "epcomm[rank ", ep_group.rank(), "] output_buffer: argument: shape ", shape_str(shape),
+                 ": dimensions must be >= 0");
+  return empty(dtype, shape, context_of(ep_group).output_allocator(allocator).get());
 }
 
 double group_timeout_s(Group& group) {

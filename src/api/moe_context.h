@@ -10,12 +10,17 @@
 #include "api/comm_context.h"
 #include "engine/workers.h"
 #include "epcomm/moe/distribute_v2.h"
+#include "tensor/output_arena.h"
 
 namespace epcomm::moe {
 
 struct GroupContext : epcomm::detail::CommContext {
   std::mutex call;             // one call in flight per group
   engine::WorkerPool workers;  // copy threads (OpOptions::num_threads), started when a call first needs them
+  // This rank's output arena (one node, num_output_arena_bytes > 0), or null.
+  std::shared_ptr<OutputArena> arena() const { return transport ? transport->output_arena() : nullptr; }
+  // `user` (default_allocator() when null) behind the arena when there is one.
+  std::shared_ptr<Allocator> output_allocator(const std::shared_ptr<Allocator>& user) const;
 };
 
 // The group's context, created collectively with default options when it has none yet.

@@ -1,11 +1,14 @@
 // engine/dispatch_v2.cc — dispatch_v2 (docs/distribute-v2.md): every sender stages each token once in
 // its own segment (quantized there, once per distinct destination row when per-expert scales make copies
 // differ), window by window in two alternating halves; every receiver walks each source's windows and copies
-// its rows straight to their final offsets, known from the exchanged per-expert counts. Then the TP pair
-// all-gathers its rows (own rows first).
+// its rows straight to their final offsets, known from the exchanged per-expert counts. When every rank's
+// outputs lie in its output arena (one node), the senders instead quantize each token once and write its
+// rows straight into the receivers' outputs (push); the windows then carry only the routing, from which the
+// receivers fill the rest of their outputs. Then the TP pair all-gathers its rows (own rows first).
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 #include "engine/distribute_v2.h"
 #include "engine/forward.h"
@@ -131,6 +134,7 @@ struct DispatchV2Call {
         my_payloads(payloads_per_token(i)),
         mine(sender_geometry(c, f, K, my_payloads)),
         per_window(mine.geo.window),
+        can_push(!c.internode() && o.expand_x_offset >= 0 && (f.scale_bytes == 0 || o.scales_offset >= 0)),
         seq(c.seq()),
         inter(c.internode()),
         my_area(c.data(me)),
@@ -148,6 +152,14 @@ struct DispatchV2Call {
   // Sender side.
   void stage(int64_t w);
   void stage_token(int64_t t, uint8_t* half, int64_t t0, std::vector<float>& scratch) const;
+  void choose_push();
+  std::vector<int64_t> block_starts(int d) const;
+  void plan_push();
+  void push_rows();
+  void push_token(int64_t t, uint8_t* scratch, std::vector<float>& qscratch, bool plain) const;
+  bool pushed_by(int s) const {
+    return ctx.cell(me, s)->pushed.load(std::memory_order_acquire) >= pack(seq, 1);
+  }
   // Receiver side.
   void place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot, float escale);
   void pull(int s, int64_t w);
@@ -156,6 +168,7 @@ struct DispatchV2Call {
   int64_t windows_of(int s) const { return ceil_div(tokens_of[s], geos[s].geo.window); }
   // The data loop.
   bool step(bool& progressed);
+  bool all_pushed() const;
   std::vector<int> awaited() const;
 
   OpContext& ctx;
@@ -165,8 +178,12 @@ struct DispatchV2Call {
   const RowFormat& f;
   const int W, me, K, E, S;
   const int my_payloads;
-  const SenderGeometry mine;
-  const int64_t per_window;
+  SenderGeometry mine;  // (push: the windows carry only the routing)
+  int64_t per_window;
+  // Push: every rank's expand_x (and scale rows) lie in its output arena, on one node: decided once the
+  // headers are in, from every rank's kPushRows.
+  const bool can_push;
+  bool push = false;
   const uint64_t seq;
   Internode* const inter;
   uint8_t* const my_area;  // free for staging: every call ends only once its peers are done with it
@@ -175,6 +192,7 @@ struct DispatchV2Call {
   // `sender` (staged pull; set_up_internode starts its network half across nodes).
   std::vector<int32_t> per_expert;
   int32_t n_active = 0;
+  bool any_dest = false;
   StagedSender sender;
   RowCopies copies;  // the payload rows a pulled window places here (over the copy threads)
   // set_up_internode.
@@ -189,6 +207,15 @@ struct DispatchV2Call {
   std::vector<int64_t> cursor, rows_from;
   // move_rows: windows to pull per source, pulled so far.
   std::vector<int64_t> nwin, pulled;
+  // plan_push: the destinations of our tokens' rows, token by token (token t's are
+  // [push_first[t], push_first[t + 1])), and whether the host's pushed rows fit the cache.
+  struct PushRow {
+    uint8_t *data, *scales;
+    int32_t smooth_row;  // the (S+E, H) smoothing table's row of this copy (per-destination payloads)
+  };
+  std::vector<PushRow> push_to;
+  std::vector<int64_t> push_first;
+  bool push_plain = false;
 };
 
 void DispatchV2Call::count_own_rows() {
@@ -204,7 +231,7 @@ void DispatchV2Call::count_own_rows() {
   if (n_active > 0)
     for (int p = 0; p < lay.Sr; ++p)
       if (lay.shared_serves(p, me)) dest[p] = 1;
-  const bool any_dest = std::find(dest.begin(), dest.end(), 1) != dest.end();
+  any_dest = std::find(dest.begin(), dest.end(), 1) != dest.end();
   sender.set_windows(any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0);
   sender.set_receivers(std::move(dest));
 }
@@ -247,8 +274,15 @@ void DispatchV2Call::exchange_headers() {
   std::copy(per_expert.begin(), per_expert.end(), c);
   c[E + kCountActive] = n_active;
   c[E + kCountPayloads] = my_payloads;
+  if (can_push) {  // where senders write our rows, visible with the header
+    Control* own = ctx.control(me);
+    own->out_offset = out.expand_x_offset;
+    own->out_scale_offset = out.scales_offset;
+    h.flags |= kPushRows;
+  }
   ctx.publish_header();
-  while (sender.staged() < std::min<int64_t>(sender.windows(), 2))
+  // (A rank that may push stages nothing yet: its windows' geometry depends on whether every rank pushes.)
+  while (!can_push && sender.staged() < std::min<int64_t>(sender.windows(), 2))
     sender.stage_next([this](int64_t w) { stage(w); });
   if (inter)
     ctx.exchange_headers([this](bool& progressed) { sender.send(progressed); });
@@ -258,6 +292,17 @@ void DispatchV2Call::exchange_headers() {
                {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
                 kParamDtype, kParamQuantMode, kParamOutDtype},
                true);
+  choose_push();
+}
+
+// Push when every rank can: the windows then carry only the routing (no payloads).
+void DispatchV2Call::choose_push() {
+  push = can_push;
+  for (int r = 0; r < W; ++r) push = push && (ctx.header(r)->flags & kPushRows);
+  if (!push) return;
+  mine = sender_geometry(ctx, f, K, 0);
+  per_window = mine.geo.window;
+  sender.set_windows(any_dest && per_window > 0 ? ceil_div(in.bs, per_window) : 0);
 }
 
 // Every sender's geometry; a record that does not fit is the same error on every rank.
@@ -265,7 +310,7 @@ void DispatchV2Call::check_sender_records() {
   geos.resize(W);
   tokens_of.resize(W);
   for (int s = 0; s < W; ++s) {
-    geos[s] = sender_geometry(ctx, f, K, peer_counts(ctx, s)[E + kCountPayloads]);
+    geos[s] = sender_geometry(ctx, f, K, push ? 0 : peer_counts(ctx, s)[E + kCountPayloads]);
     tokens_of[s] = ctx.header(s)->num_tokens;
     const SenderGeometry& g = geos[s];
     if (g.geo.window < 1 && inter &&
@@ -285,30 +330,38 @@ void DispatchV2Call::check_sender_records() {
   }
 }
 
+// Receiver d's rows per block b = el·W + s, in block order (docs/distribute-v2.md), then their total.
+std::vector<int64_t> DispatchV2Call::block_starts(int d) const {
+  const bool sh = lay.is_shared(d);
+  const int Lp = lay.local_experts(d), md = d - lay.Sr;
+  std::vector<int64_t> block(static_cast<size_t>(W) * Lp + 1, 0);
+  for (int s = 0; s < W; ++s) {
+    const int32_t* pc = peer_counts(ctx, s);
+    if (sh)
+      block[s] = lay.shared_serves(d, s) ? pc[E + kCountActive] : 0;
+    else
+      for (int el = 0; el < Lp; ++el) block[static_cast<size_t>(el) * W + s] = pc[md * lay.L + el];
+  }
+  int64_t total = 0;  // block sizes -> starts, the total last
+  for (int64_t& b : block) total += std::exchange(b, total);
+  return block;
+}
+
 // The receive plan of this rank: blocks b = el·W + r in order (docs/distribute-v2.md).
 void DispatchV2Call::plan_receive() {
   shared = lay.is_shared(me);
-  const int Lp = lay.local_experts(me);
   m = me - lay.Sr;
   sexp = shared ? lay.shared_expert_of(me) : 0;
-  std::vector<int64_t> block(static_cast<size_t>(W) * Lp, 0);
-  for (int s = 0; s < W; ++s) {
-    const int32_t* pc = peer_counts(ctx, s);
-    if (shared)
-      block[s] = lay.shared_serves(me, s) ? pc[E + kCountActive] : 0;
-    else
-      for (int el = 0; el < Lp; ++el) block[static_cast<size_t>(el) * W + s] = pc[m * lay.L + el];
-  }
-  out.cnt.assign(block.size(), 0);
-  cursor.resize(block.size());
+  const std::vector<int64_t> starts = block_starts(me);
+  const size_t blocks = starts.size() - 1;
+  out.cnt.assign(blocks, 0);
+  cursor.assign(starts.begin(), starts.end() - 1);
   rows_from.assign(W, 0);
-  int64_t total = 0;
-  for (size_t b = 0; b < block.size(); ++b) {
-    cursor[b] = total;
-    total += block[b];
-    out.cnt[b] = static_cast<int32_t>(total);
-    rows_from[b % W] += block[b];
+  for (size_t b = 0; b < blocks; ++b) {
+    out.cnt[b] = static_cast<int32_t>(starts[b + 1]);
+    rows_from[b % W] += starts[b + 1] - starts[b];
   }
+  const int64_t total = starts[blocks];
   out.n_own = total;
   EPCOMM_ASSERT(total <= lay.capacity(me), ctx.prefix(), "rank ", me, " receives ", total,
                 " rows, above its capacity A = ", lay.capacity(me));
@@ -320,8 +373,93 @@ void DispatchV2Call::move_rows() {
   pulled.assign(W, 0);
   for (int s = 0; s < W; ++s)
     if (rows_from[s] > 0) nwin[s] = ceil_div(tokens_of[s], geos[s].geo.window);
+  if (push) {
+    while (sender.staged() < std::min<int64_t>(sender.windows(), 2))  // the routing, read while we push
+      sender.stage_next([this](int64_t w) { stage(w); });
+    plan_push();
+    push_rows();
+  }
   ctx.run(
       "dispatch rows", [this](bool& progressed) { return step(progressed); }, [this] { return awaited(); });
+}
+
+// Push: where each row of our tokens goes, in the order the receivers' walks place them (token by token;
+// per token the shared ranks that serve us, then the slots k).
+void DispatchV2Call::plan_push() {
+  std::vector<std::vector<int64_t>> next(W);  // receiver d: its next row of each block (el, us)
+  std::vector<uint8_t*> data(W), scales(W);
+  int64_t host_rows = 0;
+  for (int d = 0; d < W; ++d) {
+    const std::vector<int64_t> starts = block_starts(d);
+    host_rows += starts.back();
+    for (int el = 0; el < lay.local_experts(d); ++el)
+      next[d].push_back(starts[static_cast<size_t>(el) * W + me]);
+    data[d] = ctx.transport().arena(d) + ctx.control(d)->out_offset;
+    scales[d] = f.scale_bytes ? ctx.transport().arena(d) + ctx.control(d)->out_scale_offset : nullptr;
+  }
+  push_plain =
+      static_cast<size_t>(host_rows) * (f.data_bytes + f.scale_bytes) <= cache_resident_push_bytes() / 2;
+  auto add = [&](int d, int el, int smooth_row) {
+    const int64_t row = next[d][el]++;
+    push_to.push_back({data[d] + static_cast<size_t>(row) * f.data_bytes,
+                       scales[d] ? scales[d] + static_cast<size_t>(row) * f.scale_bytes : nullptr,
+                       smooth_row});
+  };
+  push_first.assign(static_cast<size_t>(in.bs) + 1, 0);
+  for (int64_t t = 0; t < in.bs; ++t) {
+    push_first[t] = static_cast<int64_t>(push_to.size());
+    if (!in.active[t]) continue;
+    for (int p = 0; p < lay.Sr; ++p)
+      if (lay.shared_serves(p, me)) add(p, 0, lay.shared_expert_of(p));
+    for (int k = 0; k < K; ++k)
+      if (const int32_t e = in.ids[t * K + k]; e >= 0) {
+        const int d = lay.rank_of(e);
+        add(d, e - (d - lay.Sr) * lay.L, S + e);
+      }
+  }
+  push_first[in.bs] = static_cast<int64_t>(push_to.size());
+}
+
+// Push: our tokens' rows, split over the call's copy threads by token; then every receiver is told.
+void DispatchV2Call::push_rows() {
+  const int64_t bytes = static_cast<int64_t>(push_to.size() * (f.data_bytes + f.scale_bytes));
+  const size_t room = align64(f.data_bytes + f.scale_bytes) + kAlign;
+  for_parts(in.workers, in.threads, bytes, in.bs, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> buf(room);  // one payload, quantized once and copied to each destination
+    uint8_t* scratch = buf.data() + (kAlign - reinterpret_cast<uintptr_t>(buf.data()) % kAlign) % kAlign;
+    std::vector<float> qscratch;
+    for (int64_t t = b; t < e; ++t) push_token(t, scratch, qscratch, push_plain);
+    store_fence();  // this thread's streaming stores, before the receivers are told
+  });
+  for (int d = 0; d < W; ++d)
+    if (sender.receives(d)) ctx.signal(ctx.cell(d, me)->pushed, pack(seq, 1), d);
+}
+
+// Token t's payload, made once (once per copy with a smoothing table), written to each of its rows.
+void DispatchV2Call::push_token(int64_t t, uint8_t* scratch, std::vector<float>& qscratch, bool plain) const {
+  const PushRow* first = push_to.data() + push_first[t];
+  const int n = static_cast<int>(push_first[t + 1] - push_first[t]);
+  if (n == 0) return;
+  auto put = [&](const PushRow* rows, int count, const uint8_t* src) {
+    uint8_t* dsts[64];
+    for (int i = 0; i < count; i += 64) {
+      const int c = std::min(64, count - i);
+      for (int j = 0; j < c; ++j) dsts[j] = rows[i + j].data;
+      copy_row_to(dsts, c, src, f.data_bytes, false, plain);
+    }
+    if (f.scale_bytes)
+      for (int j = 0; j < count; ++j) std::memcpy(rows[j].scales, src + f.data_bytes, f.scale_bytes);
+  };
+  if (my_payloads > 1) {  // each copy quantized with its own smoothing row
+    for (int j = 0; j < n; ++j) {
+      make_payload(in, t, first[j].smooth_row, scratch, qscratch, true);
+      put(first + j, 1, scratch);
+    }
+    return;
+  }
+  if (f.quant_mode == 0) return put(first, n, in.x + static_cast<size_t>(t) * in.x_row_bytes);
+  make_payload(in, t, 0, scratch, qscratch, true);
+  put(first, n, scratch);
 }
 
 // Stages window w into its half, its tokens split over the call's copy threads (each token's record is
@@ -348,7 +486,7 @@ void DispatchV2Call::stage_token(int64_t t, uint8_t* half, int64_t t0, std::vect
     std::memset(meta + 4 * K, 0, sizeof(float) * K);
   const uint32_t act = in.active[t];
   std::memcpy(meta + 8 * K, &act, 4);
-  if (!act) return;
+  if (!act || push) return;  // (push: the routing only)
   if (my_payloads == 1) return make_payload(in, t, 0, rec, scratch, mine.geo.cache_resident);
   for (int k = 0; k < K; ++k)
     if (ids[k] >= 0)
@@ -361,9 +499,10 @@ void DispatchV2Call::stage_token(int64_t t, uint8_t* half, int64_t t0, std::vect
 
 void DispatchV2Call::place(int64_t row, const uint8_t* payload, int32_t src, int32_t t, int32_t slot,
                            float escale) {
-  copies.add(out.expand_x + static_cast<size_t>(row) * f.data_bytes,
-             f.scale_bytes ? out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes : nullptr,
-             payload);
+  if (!push)  // (pushed rows are in place already)
+    copies.add(out.expand_x + static_cast<size_t>(row) * f.data_bytes,
+               f.scale_bytes ? out.dynamic_scales + static_cast<size_t>(row) * f.scale_bytes : nullptr,
+               payload);
   out.assist[3 * row] = src;
   out.assist[3 * row + 1] = t;
   out.assist[3 * row + 2] = slot;
@@ -417,13 +556,19 @@ bool DispatchV2Call::step(bool& progressed) {
           all;
   const bool pulled_all = serve_published_windows(ctx, me, &Control::stage_ready, &PeerCell::ack, pulled,
                                                   nwin, progressed, [this](int s, int64_t w) { pull(s, w); });
-  return all && pulled_all;
+  return all && pulled_all && all_pushed();
+}
+
+bool DispatchV2Call::all_pushed() const {
+  for (int s = 0; push && s < W; ++s)
+    if (rows_from[s] > 0 && !pushed_by(s)) return false;
+  return true;
 }
 
 std::vector<int> DispatchV2Call::awaited() const {
   std::vector<int> peers;  // sources still to pull, then receivers whose acknowledgements we await
   for (int s = 0; s < W; ++s)
-    if (pulled[s] < nwin[s] && s != me) peers.push_back(s);
+    if (s != me && (pulled[s] < nwin[s] || (push && rows_from[s] > 0 && !pushed_by(s)))) peers.push_back(s);
   if (!sender.done()) sender.add_awaited(peers);
   return peers;
 }

@@ -120,6 +120,9 @@ struct DispatchV2Output {
   int32_t* ep_recv_counts = nullptr;
   int32_t* tp_recv_counts = nullptr;  // null when tp_world_size is 0
   float* expand_scales = nullptr;     // null without expert_scales
+  // Where expand_x and dynamic_scales start in this rank's output arena, or -1 when they do not lie in it.
+  // When every rank's do (one node), senders write the rows straight into them (docs/distribute-v2.md).
+  int64_t expand_x_offset = -1, scales_offset = -1;
   int64_t n_own = 0, n_peer = 0;
   std::vector<int32_t> cnt, peer_cnt;  // inclusive prefix over the W·L_p blocks
 };

@@ -45,8 +45,8 @@ const char* kEpilog =
     "  dispatch bytes = selections x row_bytes, row_bytes = H x elem of expand_x + scale bytes per row\n"
     "  combine bytes  = selections x H x 2 (bf16/fp16 rows; comm_quant_mode 2 still counts 2 bytes)\n"
     "  gbps_per_rank  = bytes_per_rank / time_us_median / 1e3;  gbps = ranks x gbps_per_rank\n"
-    "  memcpy_gbps: every rank memcpy's 32 MiB at once, aggregate bytes / slowest time, median of 5,\n"
-    "  the better of two blocks with fresh buffers (the normal-mode bench's measurement);\n"
+    "  memcpy_gbps: every rank memcpy's its bytes_per_rank of the line at once, aggregate bytes / slowest\n"
+    "  time, median of 5, the better of two blocks with fresh buffers (the other benches' measurement);\n"
     "  ratio_to_memcpy = gbps / memcpy_gbps.\n"
     "Across nodes (--ranks-per-node P, or EPCOMM_RANKS_PER_NODE; set UCX_TLS=tcp on one host):\n"
     "  nodes: nodes the group spans; network_bytes: bytes all ranks handed to the network in one call\n"
@@ -184,8 +184,14 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   c.comm_quant_mode = o.comm_quant;
   c.x_out = empty(o.dtype, {T, H});
 
+  // The byte formula of --help, per operation (dispatch, combine): what each rank's calls count.
+  const int64_t selections = T * K;
+  const int64_t elem = o.quant_mode == 0 ? static_cast<int64_t>(dtype_size(o.dtype)) : 1;
+  const int64_t row_bytes_of[2] = {H * elem + static_cast<int64_t>(scale_bytes_of(o.quant_mode, H)), H * 2};
   progress.phase("measuring the memcpy rate");
-  const double mgbps = concurrent_memcpy_gbps(bs, int64_t{32} << 20, 1);  // 32 MiB per rank, one thread
+  // The same bytes per rank as each operation counts, one thread (the other benches' reference).
+  const double mgbps_of[2] = {concurrent_memcpy_gbps(bs, selections * row_bytes_of[0], 1),
+                              concurrent_memcpy_gbps(bs, selections * row_bytes_of[1], 1)};
   progress.phase(std::to_string(o.warmup) + " warmup + " + std::to_string(o.iters) + " timed iterations");
   std::vector<double> times(static_cast<size_t>(2 * o.iters), 0.0), starts = times;
   std::vector<double> net(2,
@@ -257,14 +263,12 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   bool verified = true;
   for (int s = 0; s < W; ++s) verified = verified && all_counts[2 * s + 1] == 1;
   if (r == 0) {
-    const int64_t selections = T * K;
-    const int64_t elem = o.quant_mode == 0 ? static_cast<int64_t>(dtype_size(o.dtype)) : 1;
-    const int64_t drow = H * elem + static_cast<int64_t>(scale_bytes_of(o.quant_mode, H));
     for (int op = 0; op < 2; ++op) {
       const Timing tm = collective_timing(op_slice(all_starts, W, 2, o.iters, op),
                                           op_slice(all_times, W, 2, o.iters, op), W, o.iters, one_clock);
-      const int64_t row_bytes = op == 0 ? drow : H * 2;
+      const int64_t row_bytes = row_bytes_of[op];
       const int64_t bytes = selections * row_bytes;
+      const double mgbps = mgbps_of[op];
       const double med = tm.median;
       const double per = med > 0 ? static_cast<double>(bytes) / med / 1e3 : 0.0;
       double net_bytes = 0;                           // all ranks, one call

@@ -40,6 +40,11 @@ struct GroupContextOptions {
   // EPCOMM_RANKS_PER_NODE (a group of at most that many ranks is one node), else one node per host.
   int ranks_per_node = 0;
   int64_t num_rdma_bytes = 0;  // across nodes: the lanes per rank, split evenly over the nodes; 0 = 64 MiB
+  // One node: address space of each rank's output arena, which dispatch_v2's expand_x and dynamic_scales are
+  // carved from (and output_buffer's tensors), so that senders write every row straight into its final place
+  // (docs/distribute-v2.md, "Output arena"). -1 = EPCOMM_OUTPUT_ARENA, else the physical memory; 0 = none
+  // (rows are staged and pulled). Pages exist only where outputs were written.
+  int64_t num_output_arena_bytes = -1;
 };
 // Collective over `group`. Throws InvalidUsage when the group already has a context.
 void init_group_context(Group& group, const GroupContextOptions& options = {});
@@ -108,8 +113,18 @@ struct DispatchV2Result {
 
 // Collective and blocking over ep_group (and tp_group when tp_world_size = 2; may be null otherwise).
 // Throws epcomm::Error: InvalidUsage (bad or mismatched arguments), Timeout, Aborted (docs/distribute-v2.md).
+// When every rank's expand_x (and dynamic_scales) lie in its output arena (one node: the allocated outputs,
+// or caller buffers from output_buffer), the senders write each row straight into them: one copy per row.
 DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2Args& args,
                              const OpOptions& options = {});
+
+// A contiguous, uninitialized tensor in this rank's output arena of ep_group's context, for the *_out
+// buffers of dispatch_v2 (expand_x_out, dynamic_scales_out), so that the senders write rows straight into
+// it; from `allocator` (default_allocator() when null) when the context has no arena (across nodes,
+// num_output_arena_bytes = 0) or no room left. The arena's memory goes back when the tensor is released.
+// Collective when the group has no context yet (it creates one with default options, as the first call does).
+Tensor output_buffer(Group& ep_group, DType dtype, const Shape& shape,
+                     const std::shared_ptr<Allocator>& allocator = nullptr);
 
 struct CombineV2Args {
   TensorView expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales;
