@@ -74,7 +74,8 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
                {"low_latency_mode", options.low_latency_mode}};
   req.agree_text = {{"flavor", options.flavor}};
   b.open(*group, req);
-  if (auto a = b.transport->output_arena()) b.allocator = std::make_shared<detail::ArenaAllocator>(a, b.allocator);
+  if (auto a = b.transport->output_arena())
+    b.allocator = std::make_shared<detail::ArenaAllocator>(a, b.allocator);
   if (reserve > 0 && !b.transport->output_arena()) b.allocator->reserve(static_cast<size_t>(reserve));
   b.start_comm_thread();
   EPCOMM_LOG(info, b.rank, "Buffer: ", b.describe());

@@ -156,6 +156,7 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
   try {
     detail::prepare_dispatch(ep_group, tp_group, a, o, plan);
     set_copy_threads(call, o, plan.in);
+    plan.in.counters = &call.ep.group->counters;
   } catch (const Error& e) {
     call.fail_validation(e);
   }
@@ -170,7 +171,8 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
   out.expand_scales = a.expert_scales ? r.expand_scales.data_as<float>() : nullptr;
   if (const auto arena = call.ep.group->arena()) {
     out.expand_x_offset = arena->offset_of(r.expand_x.data(), r.expand_x.nbytes());
-    if (out.dynamic_scales) out.scales_offset = arena->offset_of(r.dynamic_scales.data(), r.dynamic_scales.nbytes());
+    if (out.dynamic_scales)
+      out.scales_offset = arena->offset_of(r.dynamic_scales.data(), r.dynamic_scales.nbytes());
   }
   call.run(call.ep, call.tp ? &call.tp : nullptr, [&](OpContext& ctx, const std::function<void()>& moving) {
     engine::v2::run_dispatch_v2(ctx, plan.in, out, moving);

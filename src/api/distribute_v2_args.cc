@@ -360,11 +360,12 @@ void allocate_dispatch_outputs(const DispatchV2Args& a, const OpOptions& o, cons
   const bool scale_rows = in.fmt.scale_bytes > 0;  // written per row (modes 2-4); else zeros throughout
   Allocator* scales_alloc = scale_rows ? rows_alloc : alloc;
   if (mode == 3)
-    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows, ceil_div(H, 128)},
-                              scales_alloc, {}, false);
+    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32,
+                              {rows, ceil_div(H, 128)}, scales_alloc, {}, false);
   else if (mode == 4)
-    r.dynamic_scales = output(a.dynamic_scales_out, "dynamic_scales_out", DType::u8,
-                              {rows, static_cast<int64_t>(in.fmt.scale_bytes)}, scales_alloc, {DType::e8m0}, false);
+    r.dynamic_scales =
+        output(a.dynamic_scales_out, "dynamic_scales_out", DType::u8,
+               {rows, static_cast<int64_t>(in.fmt.scale_bytes)}, scales_alloc, {DType::e8m0}, false);
   else
     r.dynamic_scales =
         output(a.dynamic_scales_out, "dynamic_scales_out", DType::f32, {rows}, scales_alloc, {}, !scale_rows);

@@ -73,8 +73,8 @@ void init_group_context(Group& group, const GroupContextOptions& options) {
 Tensor output_buffer(Group& ep_group, DType dtype, const Shape& shape,
                      const std::shared_ptr<Allocator>& allocator) {
   for (int64_t d : shape)
-    EPCOMM_CHECK(d >= 0, "epcomm[rank ", ep_group.rank(), "] output_buffer: argument: shape ", shape_str(shape),
-                 ": dimensions must be >= 0");
+    EPCOMM_CHECK(d >= 0, "epcomm[rank ", ep_group.rank(), "] output_buffer: argument: shape ",
+                 shape_str(shape), ": dimensions must be >= 0");
   return empty(dtype, shape, context_of(ep_group).output_allocator(allocator).get());
 }
 
@@ -98,6 +98,15 @@ GroupNetworkCounters group_network_counters(Group& group) {
   const NetworkCounters n = c->network->counters();
   out.network_bytes = static_cast<int64_t>(n.payload_bytes);
   out.network_writes = static_cast<int64_t>(n.writes);
+  return out;
+}
+
+GroupCopyCounters group_copy_counters(Group& group) {
+  GroupCopyCounters out;
+  GroupContext* c = group.moe_context().get();
+  if (!c) return out;
+  out.dispatch_staged_tokens = c->counters.dispatch_staged_tokens.load(std::memory_order_relaxed);
+  out.dispatch_pushed_tokens = c->counters.dispatch_pushed_tokens.load(std::memory_order_relaxed);
   return out;
 }
 

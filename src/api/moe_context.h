@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "api/comm_context.h"
+#include "engine/op_context.h"
 #include "engine/workers.h"
 #include "epcomm/moe/distribute_v2.h"
 #include "tensor/output_arena.h"
@@ -17,6 +18,7 @@ namespace epcomm::moe {
 struct GroupContext : epcomm::detail::CommContext {
   std::mutex call;             // one call in flight per group
   engine::WorkerPool workers;  // copy threads (OpOptions::num_threads), started when a call first needs them
+  engine::CopyCounters counters;  // group_copy_counters
   // This rank's output arena (one node, num_output_arena_bytes > 0), or null.
   std::shared_ptr<OutputArena> arena() const { return transport ? transport->output_arena() : nullptr; }
   // `user` (default_allocator() when null) behind the arena when there is one.

@@ -433,6 +433,11 @@ void DispatchV2Call::push_rows() {
   });
   for (int d = 0; d < W; ++d)
     if (sender.receives(d)) ctx.signal(ctx.cell(d, me)->pushed, pack(seq, 1), d);
+  if (in.counters) {
+    int64_t tokens = 0;
+    for (int64_t t = 0; t < in.bs; ++t) tokens += push_first[t + 1] > push_first[t];
+    in.counters->add(in.counters->dispatch_pushed_tokens, tokens);
+  }
 }
 
 // Token t's payload, made once (once per copy with a smoothing table), written to each of its rows.
@@ -472,6 +477,9 @@ void DispatchV2Call::stage(int64_t w) {
     std::vector<float> scratch;
     for (int64_t t = t0 + b; t < t0 + e; ++t) stage_token(t, half, t0, scratch);
   });
+  if (in.counters && !push)
+    in.counters->add(in.counters->dispatch_staged_tokens,
+                     std::count(in.active.begin() + t0, in.active.begin() + t1, uint8_t{1}));
 }
 
 void DispatchV2Call::stage_token(int64_t t, uint8_t* half, int64_t t0, std::vector<float>& scratch) const {

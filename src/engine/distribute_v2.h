@@ -106,9 +106,10 @@ struct DispatchV2Input {
   SmoothingSource smooth;
   int expert_token_nums_type = 1;
   Params params;
-  std::string label, tp_label;    // message prefixes of the EP and TP stages
-  WorkerPool* workers = nullptr;  // the group's copy threads (null: this thread only)
-  int threads = 1;                // copy threads this call may use (engine/workers.h)
+  std::string label, tp_label;       // message prefixes of the EP and TP stages
+  WorkerPool* workers = nullptr;     // the group's copy threads (null: this thread only)
+  int threads = 1;                   // copy threads this call may use (engine/workers.h)
+  CopyCounters* counters = nullptr;  // the group's (staged and pushed tokens), or null
 };
 
 // Output pointers (caller- or API-allocated, valid for rows [0, T·A)) and what the call learnt.

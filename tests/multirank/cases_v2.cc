@@ -1,5 +1,6 @@
 // multirank/cases_v2.cc — dispatch_v2 / combine_v2 / combine_add_rms_norm against the global reference:
 // EP layouts, shared experts, masks, global_bs, TP pairs, quantization, caller buffers.
+#include "multirank/round_trip.h"
 #include "multirank/v2_harness.h"
 #include "quant/block.h"
 #include "support/check.h"
@@ -240,6 +241,67 @@ MR_CASE("v2_quant_modes", {}) {
     run.rms_norm = seed % 5 == 0;
     run_v2(g, run);
   }
+}
+
+MR_CASE("v2_push_and_pull", {}) {
+  // One node: senders push rows into expand_x / dynamic_scales that lie in the receivers' output arenas
+  // (allocated outputs, or caller buffers from moe::output_buffer), and stage them for pulling as soon as
+  // one rank's do not (private caller buffers, or arena buffers on even ranks only). Both paths bit for bit,
+  // for every format, per-destination smoothing tables and shared experts; the copy counters say which
+  // path ran.
+  V2Groups g = make_v2_groups(ctx, 0, 512 << 10);
+  const int W = ctx.size;
+  struct Mode {
+    int mode;
+    std::optional<DType> y;
+    V2Spec::Smooth smooth;
+  };
+  const Mode modes[] = {
+      {0, std::nullopt, V2Spec::Smooth::none}, {1, std::nullopt, V2Spec::Smooth::table},
+      {2, std::nullopt, V2Spec::Smooth::none}, {2, DType::f8e4m3, V2Spec::Smooth::table},
+      {3, std::nullopt, V2Spec::Smooth::none}, {4, DType::f8e5m2, V2Spec::Smooth::none},
+  };
+  using Place = V2Run::Place;
+  uint64_t seed = 900;
+  for (const Mode& m : modes)
+    for (int variant = 0; variant < 4; ++variant) {
+      V2Spec s = base_spec(W, ++seed);
+      s.quant_mode = m.mode;
+      s.y_dtype = m.y;
+      s.smooth = m.smooth;
+      s.shared_ranks = W >= 3 && seed % 2 ? 1 : 0;
+      s.E = 2 * (W - s.shared_ranks);
+      s.K = std::min(s.E, 3);
+      s.H = seed % 2 ? 256 : 72;  // rows of whole cache lines (streaming stores) and not
+      s.bs = 7;
+      s.zero_rows = 1;
+      s.mask_dims = static_cast<int>(seed % 3);
+      V2Run run;
+      run.spec = s;
+      run.caller_buffers = variant > 0;
+      run.place = variant == 1   ? Place::arena
+                  : variant == 2 ? Place::private_memory
+                                 : Place::arena_even_ranks;
+      const bool all_arena = variant <= 1 || (variant == 3 && W == 1);
+      run.expect_push = all_arena;
+      run_v2(g, run, epcomm::detail::cat("mode ", m.mode, " variant ", variant, ": "));
+    }
+}
+
+MR_CASE("v2_output_buffer", {false, 1}) {
+  // moe::output_buffer: a tensor of the group's output arena (one node), released back to it; negative
+  // dimensions are an InvalidUsage naming the shape.
+  V2Groups g = make_v2_groups(ctx, 0);
+  Tensor t = moe::output_buffer(*g.ep, DType::bf16, {5, 64});
+  REQUIRE(t.defined() && t.dtype() == DType::bf16 && t.dim() == 2 && t.size(0) == 5 && t.size(1) == 64 &&
+              t.is_contiguous(),
+          "output_buffer returned ", shape_str(t.shape()));
+  std::memset(t.data(), 0x5A, t.nbytes());  // writable
+  expect_error(
+      [&] {
+        moe::output_buffer(*g.ep, DType::bf16, {-1, 4});
+      },
+      ErrorCode::InvalidUsage, {"output_buffer", "shape", "[-1, 4]"});
 }
 
 MR_CASE("v2_comm_quant", {}) {

@@ -66,10 +66,16 @@ std::vector<T> with_sentinel(const std::vector<T>& ref, size_t valid, size_t tot
 struct CallerBuffer {
   std::vector<uint8_t> bytes;
   Tensor t;
-  CallerBuffer(DType dt, Shape shape, int64_t extra_rows) {
+  // Private memory, or (in_arena_of) a tensor of that group's output arena; filled with kSentinel.
+  CallerBuffer(DType dt, Shape shape, int64_t extra_rows, Group* in_arena_of = nullptr) {
     if (!shape.empty()) shape[0] += extra_rows;
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
+    if (in_arena_of) {
+      t = moe::output_buffer(*in_arena_of, dt, shape);
+      if (t.nbytes()) std::memset(t.data(), kSentinel, t.nbytes());
+      return;
+    }
     bytes.assign(static_cast<size_t>(n) * dtype_size(dt), kSentinel);
     t = Tensor::wrap(bytes.data(), dt, shape);
   }
@@ -165,19 +171,34 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
   const Shape scale_shape = s.quant_mode <= 2 ? Shape{ref.rows} : Shape{ref.rows, scale_cols};
   std::vector<std::unique_ptr<CallerBuffer>> bufs;
   if (run.caller_buffers) {
-    auto add = [&](std::optional<Tensor>& slot, DType dt, Shape shape) {
-      bufs.push_back(std::make_unique<CallerBuffer>(dt, shape, 3));
+    auto add = [&](std::optional<Tensor>& slot, DType dt, Shape shape, Group* arena = nullptr) {
+      bufs.push_back(std::make_unique<CallerBuffer>(dt, shape, 3, arena));
       slot = bufs.back()->t;
     };
-    add(a.expand_x_out, ref.out_dtype, {ref.rows, s.H});
-    add(a.dynamic_scales_out, scale_dt, scale_shape);
+    const bool in_arena =
+        run.place == V2Run::Place::arena || (run.place == V2Run::Place::arena_even_ranks && ep % 2 == 0);
+    add(a.expand_x_out, ref.out_dtype, {ref.rows, s.H}, in_arena ? g.ep.get() : nullptr);
+    add(a.dynamic_scales_out, scale_dt, scale_shape, in_arena ? g.ep.get() : nullptr);
     add(a.assist_info_for_combine_out, DType::i32, {s.capacity(ep) * 128});
     add(a.expert_token_nums_out, DType::i64, {Lp});
     add(a.ep_recv_counts_out, DType::i32, {static_cast<int64_t>(s.W) * Tp * Lp});
     add(a.tp_recv_counts_out, DType::i32, {s.T});
     add(a.expand_scales_out, DType::f32, {s.expert_scales ? ref.rows : 0});
   }
+  const moe::GroupCopyCounters before = moe::group_copy_counters(*g.ep);
   moe::DispatchV2Result d = moe::dispatch_v2(*g.ep, g.tp.get(), a, run.options);
+  if (run.expect_push) {  // (a rank without active tokens neither stages nor pushes)
+    const moe::GroupCopyCounters after = moe::group_copy_counters(*g.ep);
+    const int64_t pushed = after.dispatch_pushed_tokens - before.dispatch_pushed_tokens;
+    const int64_t staged = after.dispatch_staged_tokens - before.dispatch_staged_tokens;
+    const V2Rank& me = P.at(ep, tp);
+    int64_t active = 0;
+    for (int64_t t = 0; t < me.bs; ++t) active += me.active_tok(t, s.mask_dims, s.K);
+    const bool ok =
+        *run.expect_push ? staged == 0 && (active == 0 || pushed > 0) : pushed == 0 && staged == active;
+    REQUIRE(ok, where, "dispatch_pushed_tokens grew by ", pushed, ", dispatch_staged_tokens by ", staged,
+            " with ", active, " active tokens, expected ", *run.expect_push ? "a push" : "a staged pull");
+  }
 
   const int64_t extra = run.caller_buffers ? 3 : 0;
   const int64_t valid = ref.n_own + ref.n_peer;

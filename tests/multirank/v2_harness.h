@@ -28,6 +28,12 @@ struct V2Run {
   bool rms_norm = false;        // also run combine_add_rms_norm (same routing)
   bool shared_x = false;        // pass shared_expert_x to combine (spec.shared_ranks must be 0)
   bool caller_buffers = false;  // pass *_out buffers (larger than needed, filled with a sentinel)
+  // Where the caller buffers of dispatch_v2's expand_x and dynamic_scales lie: private memory, the output
+  // arena (moe::output_buffer: senders push), or the arena on even ep ranks only (nobody pushes).
+  enum class Place { private_memory, arena, arena_even_ranks } place = Place::private_memory;
+  // Checked after the dispatch: whether this rank's tokens were pushed (dispatch_pushed_tokens grew) or
+  // staged; unset: not checked.
+  std::optional<bool> expect_push;
   bool combine = true;
   float norm_eps = 1e-6f;
   moe::OpOptions options;  // passed to every call

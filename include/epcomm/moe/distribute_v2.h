@@ -62,6 +62,14 @@ struct GroupNetworkCounters {
 };
 GroupNetworkCounters group_network_counters(Group& group);
 
+// What this rank's dispatch_v2 calls did with their tokens since the group's context was created: shows
+// whether the output arena is in use (docs/distribute-v2.md, "Output arena"). Zero without a context.
+struct GroupCopyCounters {
+  int64_t dispatch_staged_tokens = 0;  // tokens whose payload it staged (quantized) for receivers to pull
+  int64_t dispatch_pushed_tokens = 0;  // tokens whose rows it wrote straight into receivers' expand_x
+};
+GroupCopyCounters group_copy_counters(Group& group);
+
 // Collective over `parent`: the ranks with the same `color` form a new Group, ranked by (key, parent rank).
 // All ranks must be on one host (a local bootstrap named after the parent's unique id).
 std::shared_ptr<Group> split_group(Group& parent, int color, int key);
