@@ -27,14 +27,18 @@ const char* kEpilog =
     "(weights uniform in [0.05, 1)); with --shared-expert-ranks > 0 those ranks serve one shared expert.\n"
     "For each rank count it runs --warmup untimed and --iters timed iterations of dispatch_v2, then of\n"
     "combine_v2 (expert outputs = the dispatched rows, dequantized once). Outputs go to caller buffers\n"
-    "allocated once (no zero-fill inside the timed calls). A bootstrap barrier precedes every timed call;\n"
+    "allocated once (no zero-fill inside the timed calls): the first call's outputs, which lie in the\n"
+    "group's output arena with --outputs arena (one node; the senders write rows straight into them) and\n"
+    "in private memory with --outputs private (rows staged and pulled). A bootstrap barrier precedes every\n"
+    "timed call;\n"
     "an iteration's time runs from the last rank's call to the last rank's return (timing: span; ranks on\n"
     "several hosts: the slowest rank's own time, timing: slowest_rank), as in `epcomm bench --help`. The "
     "first iteration is checked outside the timings: every\n"
     "rank's row count equals the selections routed to it, and combine returns x·Σw (+ x per shared expert)\n"
     "within calc_diff < 3e-3 (quantized) or 1e-5.\n\n"
     "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
-    "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, launcher, iters, warmup, selections,\n"
+    "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, outputs (arena: every rank's outputs lay in\n"
+    "its output arena, so dispatch_v2 pushed; private: staged pull), launcher, iters, warmup, selections,\n"
     "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, first_iter_ratio\n"
     "(the group's first call, before the warm-up, timed as the others, over the median), p99_ratio,\n"
     "timing,\n"
@@ -63,6 +67,7 @@ struct V2BenchOptions {
   int64_t segment_bytes = 0;
   int ranks_per_node = 0;      // 0: EPCOMM_RANKS_PER_NODE, else one node per host
   int64_t num_rdma_bytes = 0;  // across nodes: lanes per rank (0 = 64 MiB)
+  bool arena = true;           // --outputs arena: the group context's output arena
   LaunchFlags launch;
 };
 
@@ -126,6 +131,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   co.timeout_s = o.launch.timeout_s;
   co.ranks_per_node = o.ranks_per_node;
   co.num_rdma_bytes = o.num_rdma_bytes;
+  if (!o.arena) co.num_output_arena_bytes = 0;
   moe::init_group_context(*group, co);
   const int nodes = moe::group_num_nodes(*group);
   const int64_t T = o.tokens, H = o.hidden;
@@ -259,9 +265,17 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   const bool one_clock = one_host(group->hosts());
   const auto all_net = all_gather_values(bs, net);
   const auto all_first = all_gather_values(bs, first);
-  const auto all_counts = all_gather_values(bs, std::vector<int64_t>{counts.rows, counts.ok});
-  bool verified = true;
-  for (int s = 0; s < W; ++s) verified = verified && all_counts[2 * s + 1] == 1;
+  const moe::GroupCopyCounters copies = moe::group_copy_counters(*group);
+  const auto all_counts =
+      all_gather_values(bs, std::vector<int64_t>{counts.rows, counts.ok, copies.dispatch_staged_tokens,
+                                                 copies.dispatch_pushed_tokens});
+  bool verified = true, pushed = false, staged = false;
+  for (int s = 0; s < W; ++s) {
+    verified = verified && all_counts[4 * s + 1] == 1;
+    staged = staged || all_counts[4 * s + 2] > 0;
+    pushed = pushed || all_counts[4 * s + 3] > 0;
+  }
+  pushed = pushed && !staged;  // every call pushed
   if (r == 0) {
     for (int op = 0; op < 2; ++op) {
       const Timing tm = collective_timing(op_slice(all_starts, W, 2, o.iters, op),
@@ -291,6 +305,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("dtype", dtype_name(o.dtype))
           .add("quant_mode", o.quant_mode)
           .add("comm_quant_mode", o.comm_quant)
+          .add("outputs", pushed ? "arena" : "private")
           .add("launcher", o.launch.launcher == Launcher::fork ? "fork" : "threads")
           .add("bind", ranks_bind_name())
           .add("iters", o.iters)
@@ -351,6 +366,10 @@ int run_bench_v2(int argc, char** argv) {
         "split the ranks into nodes of P that talk over UCX (virtual nodes; 0: EPCOMM_RANKS_PER_NODE, else "
         "by host)");
   p.add("num-rdma-bytes", "BYTES", "64M", "across nodes: lanes per rank (K, M, G suffixes)");
+  p.add("outputs", "arena|private", "arena",
+        "where the outputs live: arena = the group's output arena (GroupContextOptions::"
+        "num_output_arena_bytes, one node: dispatch_v2 writes rows straight into the receivers' outputs), "
+        "private = none (rows staged and pulled)");
   add_launch_flags(p);
   p.set_epilog(kEpilog);
   if (!p.parse(argc, argv)) {
@@ -374,6 +393,7 @@ int run_bench_v2(int argc, char** argv) {
   o.segment_bytes = p.given("num-nvl-bytes") ? p.bytes("num-nvl-bytes") : 0;
   o.ranks_per_node = static_cast<int>(p.integer("ranks-per-node", 0, 1024));
   o.num_rdma_bytes = p.given("num-rdma-bytes") ? p.bytes("num-rdma-bytes") : 0;
+  o.arena = p.choice("outputs", {"arena", "private"}) == "arena";
   o.launch = read_launch_flags(p);
   if (o.topk > o.experts) throw UsageError(bad_value("topk", "<= experts", std::to_string(o.topk)));
   for (int W : o.ranks) {
