@@ -288,8 +288,9 @@ void bind_ops(py::module_& m) {
   m.def(
       "moe_init_group_context",
       [](const std::shared_ptr<Group>& g, int64_t segment_bytes, std::optional<double> timeout_s,
-         int ranks_per_node, int64_t num_rdma_bytes) {
+         int ranks_per_node, int64_t num_rdma_bytes, int64_t num_output_arena_bytes) {
         moe::GroupContextOptions o;
+        o.num_output_arena_bytes = num_output_arena_bytes;
         o.segment_bytes = segment_bytes;
         o.timeout_s = timeout_s;
         o.ranks_per_node = ranks_per_node;
@@ -298,7 +299,30 @@ void bind_ops(py::module_& m) {
         moe::init_group_context(*g, o);
       },
       py::arg("group"), py::arg("segment_bytes") = 0, py::arg("timeout_s") = py::none(),
-      py::arg("ranks_per_node") = 0, py::arg("num_rdma_bytes") = 0);
+      py::arg("ranks_per_node") = 0, py::arg("num_rdma_bytes") = 0, py::arg("num_output_arena_bytes") = -1);
+  m.def(
+      "moe_output_buffer",
+      [](const std::shared_ptr<Group>& g, const std::vector<int64_t>& shape, const std::string& dtype) {
+        const DType dt = parse_dtype(dtype);
+        Tensor t;
+        {
+          py::gil_scoped_release nogil;
+          t = moe::output_buffer(*g, dt, shape, torch_allocator());
+        }
+        return to_torch(t);
+      },
+      py::arg("group"), py::arg("shape"), py::arg("dtype"),
+      "moe::output_buffer: an uninitialized tensor in the group's output arena (one-byte formats as uint8).");
+  m.def(
+      "moe_group_copy_counters",
+      [](const std::shared_ptr<Group>& g) {
+        const moe::GroupCopyCounters c = moe::group_copy_counters(*g);
+        py::dict d;
+        d["dispatch_staged_tokens"] = c.dispatch_staged_tokens;
+        d["dispatch_pushed_tokens"] = c.dispatch_pushed_tokens;
+        return d;
+      },
+      py::arg("group"));
   m.def(
       "moe_group_network_counters",
       [](const std::shared_ptr<Group>& g) {

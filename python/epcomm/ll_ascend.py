@@ -100,6 +100,14 @@ class _State:
             ex.shutdown(wait=True)
 
 
+def _arena_empty(c, shape, name):
+    """An uninitialized tensor of epcomm format `name` in the output arena of the operator group `c`
+    (moe::output_buffer), viewed as the torch dtype the format comes back as."""
+    t = _C.moe_output_buffer(c, list(shape), name)
+    real = torch_dtype(name)
+    return t if t.dtype == real else t.view(real)
+
+
 def _prefix(buffer, op):
     return f"epcomm[rank {buffer.rank}] {op}: "
 
@@ -322,16 +330,18 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         width = int(send.shape[1])
 
         # Outputs, allocated here (unspecified past the valid rows), so that they exist before the call runs.
+        # The rows and their scales lie in the group's output arena: on one node the senders write every row
+        # straight into them (docs/distribute-v2.md, "Output arena").
         G = (H + 31) // 32
         if mode == 0:
-            expand_x = torch.empty(rows, width, dtype=torch.bfloat16)
+            expand_x = _arena_empty(st.c, (rows, width), "bf16")
             dyn = torch.empty(rows, dtype=torch.float32)
         elif mode == 2:
-            expand_x = torch.empty(rows, H, dtype=torch_dtype(y_dtype))
-            dyn = torch.empty(rows, dtype=torch.float32)
+            expand_x = _arena_empty(st.c, (rows, H), y_dtype)
+            dyn = _arena_empty(st.c, (rows,), "f32")
         else:
-            expand_x = torch.empty(rows, H, dtype=torch_dtype(y_dtype))
-            dyn = torch.empty(rows, G + (G & 1), dtype=torch_dtype("e8m0"))
+            expand_x = _arena_empty(st.c, (rows, H), y_dtype)
+            dyn = _arena_empty(st.c, (rows, G + (G & 1)), "e8m0")
         assist = torch.empty(rows * 128, dtype=torch.int32)
         token_nums = torch.empty(Lp, dtype=torch.int64)
         ep_counts = torch.empty(R * Lp, dtype=torch.int32)

@@ -45,7 +45,8 @@ def unregister_group(name):
     _registry.pop(name, None)
 
 
-def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0, num_rdma_bytes=0):
+def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0, num_rdma_bytes=0,
+                       num_output_arena_bytes=-1):
     """Creates the operator context of `group` (a ProcessGroup, an epcomm.Group or a registered name) with
     these options, collectively over the group; raises InvalidUsageError when it already has one. Optional:
     without it the context gets the defaults on the group's first call.
@@ -53,13 +54,17 @@ def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0,
     segment_bytes: shared memory per rank (0 = 64 MiB; larger transfers move in rounds). timeout_s: the
     group's deadline (default EPCOMM_TIMEOUT_S, else 100). ranks_per_node: P > 0 splits the group into nodes of
     P consecutive ranks that talk over UCX (virtual nodes on one host); 0 = EPCOMM_RANKS_PER_NODE, else one
-    node per host. num_rdma_bytes: across nodes, the per-rank lanes (0 = 64 MiB). See docs/internode.md."""
+    node per host. num_rdma_bytes: across nodes, the per-rank lanes (0 = 64 MiB). See docs/internode.md.
+    num_output_arena_bytes: one node, the address space of each rank's output arena, which dispatch_v2's
+    expand_x / dynamic_scales and output_buffer's tensors come from so that senders write rows straight into
+    them (-1 = EPCOMM_OUTPUT_ARENA, else the physical memory; 0 = none: rows are staged and pulled)."""
     from .group import Group
 
     pre = "init_group_context: "
     segment_bytes, num_rdma_bytes = int_arg(segment_bytes, "segment_bytes", prefix=pre), int_arg(
         num_rdma_bytes, "num_rdma_bytes", prefix=pre)
     ranks_per_node = int_arg(ranks_per_node, "ranks_per_node", INT32, prefix=pre)
+    num_output_arena_bytes = int_arg(num_output_arena_bytes, "num_output_arena_bytes", prefix=pre)
     if timeout_s is not None:
         timeout_s = number_arg(timeout_s, "timeout_s", prefix=pre)
     g = _resolve("init_group_context", "group", group, None, True)
@@ -68,13 +73,32 @@ def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0,
             raise InvalidUsageError("init_group_context: argument: the group already has a context (created "
                                     "by an earlier call)")
         c = Group(g)
-        _C.moe_init_group_context(c._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes)
+        _C.moe_init_group_context(c._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes,
+                                  num_output_arena_bytes)
         _groups[g] = c
         return
     if not isinstance(g, Group):
         raise InvalidUsageError(f"init_group_context: argument: group: expected a torch.distributed ProcessGroup, "
                                 f"an epcomm.Group or a registered name, got {type(g).__name__}")
-    _C.moe_init_group_context(g._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes)
+    _C.moe_init_group_context(g._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes, num_output_arena_bytes)
+
+
+def group_copy_counters(group):
+    """What this rank's dispatch_v2 calls did with their tokens since `group`'s context was created, as a
+    dict: dispatch_staged_tokens (staged for the receivers to pull) and dispatch_pushed_tokens (rows written
+    straight into the receivers' outputs, which lay in their output arenas). Zeros before the context exists."""
+    from .group import Group
+
+    g = _resolve("group_copy_counters", "group", group, None, True)
+    if isinstance(g, dist.ProcessGroup):
+        c = _groups.get(g)
+        if c is None:
+            return {"dispatch_staged_tokens": 0, "dispatch_pushed_tokens": 0}
+        g = c
+    if not isinstance(g, Group):
+        raise InvalidUsageError(f"group_copy_counters: argument: group: expected a torch.distributed "
+                                f"ProcessGroup, an epcomm.Group or a registered name, got {type(g).__name__}")
+    return _C.moe_group_copy_counters(g._c)
 
 
 def group_network_counters(group):

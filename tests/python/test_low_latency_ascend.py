@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import epcomm
-from epcomm import ops
+from epcomm import _C, ops
 
 import ll_reference as ref
 from harness import spawn
@@ -159,6 +159,9 @@ def _main_body(rank, world):
             out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=w,
                                            quant_mode=None if fmt == "bf16" else fmt, use_fp8=fmt != "bf16")
             check_dispatch(out, fmt, rank, world, E, K, H, T_max, xs, ids, ws if w is not None else None, cache)
+            # recv_x lies in the operator group's output arena: every call pushed its rows (one node).
+            copies = _C.moe_group_copy_counters(buf._ll_ascend_state.c)
+            assert copies["dispatch_staged_tokens"] == 0, copies
             if fmt in V2:  # the same call made directly on npu_moe_distribute_dispatch_v2
                 mode, y = V2[fmt]
                 idx = ids[rank].to(torch.int32)
@@ -183,6 +186,7 @@ def _main_body(rank, world):
                 A = ref.capacity(world, T_max, K, E // world)
                 y, event, hook = buf.low_latency_combine(combine_input(rows, ys, A, H), ids[rank], ws[rank], out[2])
                 assert same_bits(y, expect_combine(rank, ids, ws, ys, H)), f"combine, case {seed}"
+    assert _C.moe_group_copy_counters(buf._ll_ascend_state.c)["dispatch_pushed_tokens"] > 0
     # MOE_EXPERT_TOKEN_NUMS_TYPE=0: inclusive prefix sums; an odd number of MX scale bytes per row (H = 96).
     xs, ids, ws, ys = make_problem(world, E, K, 96, [T_max] * world, 5)
     cache = {}

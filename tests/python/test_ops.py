@@ -181,3 +181,29 @@ def test_shared_expert():
 
 def test_tp_grid():
     spawn(_tp_body, 4)
+
+
+def _arena_body(rank, world):
+    # One node: dispatch_v2's outputs come from the group's output arena, so the senders push (the copy
+    # counters say so); a group whose context has no arena stages and pulls the same rows.
+    L = 2
+    E = world * L
+    pg = dist.group.WORLD
+    no_arena = dist.new_group(list(range(world)))
+    ops.init_group_context(no_arena, num_output_arena_bytes=0)
+    x, ids, w = _inputs(rank, E)
+    before = ops.group_copy_counters(pg)
+    pushed = ops.npu_moe_distribute_dispatch_v2(x, ids, pg, world, rank, E, quant_mode=2)
+    after = ops.group_copy_counters(pg)
+    assert after["dispatch_pushed_tokens"] - before["dispatch_pushed_tokens"] == BS
+    assert after["dispatch_staged_tokens"] == before["dispatch_staged_tokens"]
+    staged = ops.npu_moe_distribute_dispatch_v2(x, ids, no_arena, world, rank, E, quant_mode=2)
+    assert ops.group_copy_counters(no_arena) == {"dispatch_staged_tokens": BS, "dispatch_pushed_tokens": 0}
+    for i, (a, b) in enumerate(zip(pushed, staged)):  # zero tails included
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), f"output {i}"
+    with pytest.raises(epcomm.InvalidUsageError, match="num_output_arena_bytes"):
+        ops.init_group_context(dist.new_group(list(range(world))), num_output_arena_bytes=-2)
+
+
+def test_output_arena_push():
+    spawn(_arena_body, 2)
