@@ -320,6 +320,8 @@ void bind_ops(py::module_& m) {
         py::dict d;
         d["dispatch_staged_tokens"] = c.dispatch_staged_tokens;
         d["dispatch_pushed_tokens"] = c.dispatch_pushed_tokens;
+        d["combine_copied_rows"] = c.combine_copied_rows;
+        d["combine_in_place_rows"] = c.combine_in_place_rows;
         return d;
       },
       py::arg("group"));

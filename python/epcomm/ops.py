@@ -84,16 +84,19 @@ def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0,
 
 
 def group_copy_counters(group):
-    """What this rank's dispatch_v2 calls did with their tokens since `group`'s context was created, as a
-    dict: dispatch_staged_tokens (staged for the receivers to pull) and dispatch_pushed_tokens (rows written
-    straight into the receivers' outputs, which lay in their output arenas). Zeros before the context exists."""
+    """What this rank's dispatch_v2 and combine calls did with their rows since `group`'s context was
+    created, as a dict: dispatch_staged_tokens (staged for the receivers to pull), dispatch_pushed_tokens
+    (rows written straight into the receivers' outputs, which lay in their output arenas), combine_copied_rows
+    (rows copied into other origins' windows) and combine_in_place_rows (rows other origins read in place,
+    every rank's expand_x lying in its output arena). Zeros before the context exists."""
     from .group import Group
 
     g = _resolve("group_copy_counters", "group", group, None, True)
     if isinstance(g, dist.ProcessGroup):
         c = _groups.get(g)
         if c is None:
-            return {"dispatch_staged_tokens": 0, "dispatch_pushed_tokens": 0}
+            return {"dispatch_staged_tokens": 0, "dispatch_pushed_tokens": 0, "combine_copied_rows": 0,
+                    "combine_in_place_rows": 0}
         g = c
     if not isinstance(g, Group):
         raise InvalidUsageError(f"group_copy_counters: argument: group: expected a torch.distributed "

@@ -194,6 +194,7 @@ void run_combine(Call& call, Group& ep_group, Group* tp_group, const CombineV2Ar
     detail::prepare_combine(ep_group, tp_group, a, norm, o, plan);
     engine::v2::prepare_combine_v2(plan.in);
     set_copy_threads(call, o, plan.in);
+    plan.in.counters = &call.ep.group->counters;
   } catch (const Error& e) {
     call.fail_validation(e);
   }
@@ -205,6 +206,9 @@ void run_combine(Call& call, Group& ep_group, Group* tp_group, const CombineV2Ar
     });
     plan.in.rows = reduced.data();
   }
+  if (const auto arena = call.ep.group->arena(); arena && plan.in.n_own > 0)
+    plan.in.rows_offset = arena->offset_of(
+        plan.in.rows, static_cast<size_t>(plan.in.n_own) * static_cast<size_t>(plan.in.H) * 2);
   engine::v2::CombineV2Output out;
   out.x = plan.x.data_as<uint8_t>();
   if (norm) {

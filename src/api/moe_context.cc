@@ -107,6 +107,8 @@ GroupCopyCounters group_copy_counters(Group& group) {
   if (!c) return out;
   out.dispatch_staged_tokens = c->counters.dispatch_staged_tokens.load(std::memory_order_relaxed);
   out.dispatch_pushed_tokens = c->counters.dispatch_pushed_tokens.load(std::memory_order_relaxed);
+  out.combine_copied_rows = c->counters.combine_copied_rows.load(std::memory_order_relaxed);
+  out.combine_in_place_rows = c->counters.combine_in_place_rows.load(std::memory_order_relaxed);
   return out;
 }
 

@@ -4,7 +4,9 @@
 // slots and stamps each slot, and the origin checks the stamps against its own mask and ids and reduces in
 // the fixed order (MoE slots by k, shared experts by s, shared_expert_x) with one rounding. The rows an
 // origin returns to itself are read in place from its x (uncompressed: with comm_quant_mode 2 they take the
-// slots like every other row).
+// slots like every other row). When every rank's x lies in its output arena (one node, comm_quant_mode 0),
+// the contributors write only row indices into the slots and the origins read every row in place; each
+// origin then tells its contributors when it is done reading, and a contributor returns only after that.
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
@@ -198,6 +200,9 @@ struct CombineV2Call {
   void zero_token(int64_t t) const;
   void reduce(int64_t w);
   void reduce_token(int64_t w, int64_t t, int64_t t0, TokenScratch& r) const;
+  const uint8_t* row_in_place(int writer, const uint8_t* slot, int64_t t, int s) const;
+  void choose_in_place();
+  bool origins_released() const;
   // Proxy.
   bool proxy_can_open(int n) const;
   void proxy_open(int n);
@@ -240,6 +245,11 @@ struct CombineV2Call {
   // Our own rows of the open window, read in place from our x (comm_quant_mode 0): their slots stay empty.
   bool own_in_place = false;
   std::vector<const uint8_t*> own_row;
+  // Every rank's x in its output arena: slots carry row indices, origins read the rows in place (in_x[s]:
+  // rank s's x as mapped here, rows_of[s] its rows); `released` once we told our contributors we are done.
+  bool in_place = false, released = false;
+  std::vector<const uint8_t*> in_x;
+  std::vector<int64_t> rows_of;
   std::vector<int64_t> px_windows, px_opened, px_forwarded;
   std::vector<uint64_t> px_ticket;
   std::vector<std::vector<int32_t>> px_head;
@@ -268,12 +278,31 @@ void CombineV2Call::exchange_headers() {
     c[count_max_token(W, o)] = e > b ? in.assist[3 * in.origin_rows[e - 1] + 1] + 1 : 0;
   }
   c[count_expected(W)] = static_cast<int32_t>(expected);
+  if (!inter && in.comm_quant == 0 && (in.rows_offset >= 0 || in.n_own == 0)) {
+    h.flags |= kReadRowsInPlace;
+    h.input_offset = in.rows_offset;
+  }
   ctx.publish_header();
   ctx.exchange_headers();
   check_params(ctx, op,
                {kParamW, kParamE, kParamT, kParamShard, kParamS, kParamSr, kParamGlobalBs, kParamH, kParamK,
                 kParamDtype, kParamCommQuant},
                true);
+  choose_in_place();
+}
+
+// Rows read in place when every rank can (its x in its output arena, or no rows at all).
+void CombineV2Call::choose_in_place() {
+  in_place = true;
+  for (int s = 0; s < W; ++s) in_place = in_place && (ctx.header(s)->flags & kReadRowsInPlace);
+  if (!in_place) return;
+  in_x.assign(W, nullptr);
+  rows_of.assign(W, 0);
+  for (int s = 0; s < W; ++s) {
+    const int64_t off = ctx.header(s)->input_offset;
+    if (off >= 0) in_x[s] = ctx.transport().arena(s) + off;
+    for (int o = 0; o < W; ++o) rows_of[s] += peer_counts(ctx, s)[count_origin(W, o)];
+  }
 }
 
 // Room for one token's slots, the same check on every rank.
@@ -281,10 +310,12 @@ void CombineV2Call::fit_window() {
   // Windows of at most kWindowBytes, written with plain stores: the origin reduces a window while it is
   // still in the cache its contributors wrote it to. One window over the whole area (rows to memory with
   // streaming stores, then read back from there) made the decode shape's combine 2.5x slower.
-  geo = combine_geometry(std::min(ctx.layout().data_bytes, kWindowBytes), wire, slots, sizeof(uint64_t));
+  const size_t slot_bytes = in_place ? sizeof(int64_t) : wire;  // in place: a row index per slot
+  geo =
+      combine_geometry(std::min(ctx.layout().data_bytes, kWindowBytes), slot_bytes, slots, sizeof(uint64_t));
   cache_resident = geo.window >= 1;
   if (!cache_resident)  // one token's slots exceed the cap
-    geo = combine_geometry(ctx.layout().data_bytes, wire, slots, sizeof(uint64_t));
+    geo = combine_geometry(ctx.layout().data_bytes, slot_bytes, slots, sizeof(uint64_t));
   if (inter) {  // a remote origin's window lives in its proxy's lane, and goes back compact into the origin's
     // Each half of a lane's data: the copy window of the mirrored origin (this rank as its proxy), then
     // the rows that node returns for our own window (this rank as origin).
@@ -392,11 +423,15 @@ void CombineV2Call::fill(int o, int64_t w) {
   int64_t last = first;
   while (last < end && in.assist[3 * in.origin_rows[last] + 1] < t1) ++last;
   // Our own rows are pointers (own_in_place): only copied rows are worth more threads.
-  const int64_t bytes = o == me && own_in_place ? 0 : (last - first) * static_cast<int64_t>(row_bytes);
+  const int64_t bytes =
+      (o == me && own_in_place) || in_place ? 0 : (last - first) * static_cast<int64_t>(row_bytes);
   for_parts(in.workers, in.threads, bytes, last - first, [&](int64_t b, int64_t e) {
     for (int64_t p = first + b; p < first + e; ++p) fill_row(o, w, t0, in.origin_rows[p]);
   });
   pos[o] = last;
+  if (in.counters && o != me)
+    in.counters->add(in_place ? in.counters->combine_in_place_rows : in.counters->combine_copied_rows,
+                     last - first);
 }
 
 // Our row i into its slot of origin o's window w (which starts at token t0), stamped.
@@ -410,11 +445,15 @@ void CombineV2Call::fill_row(int o, int64_t w, int64_t t0, int32_t i) {
     own_row[idx] = src;
     return;
   }
-  if (in.comm_quant == 2)
+  if (in_place) {  // the origin reads row i of our x in place
+    const int64_t row = i;
+    std::memcpy(dst, &row, sizeof(row));
+  } else if (in.comm_quant == 2) {
     quant::int8_group8_combine(in.dt, src, H, reinterpret_cast<int8_t*>(dst),
                                reinterpret_cast<uint16_t*>(dst + H));
-  else
+  } else {
     copy_row(dst, src, row_bytes, true, cache_resident);
+  }
   const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
   if (stamp_is(old, seq, w))
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
@@ -512,6 +551,7 @@ int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0, TokenScratch& 
       EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: no rank returned a row for (t=", t, ", slot=", s,
                    "), an active slot of this rank (another row went elsewhere)");
     if (!wanted) continue;
+    if (in_place && writer != me) src = row_in_place(writer, src, t, s);
     if (in.comm_quant == 2) {
       uint8_t* dec = r.decoded.data() + static_cast<size_t>(s) * row_bytes;
       quant::int8_group8_combine_dequant(in.dt, reinterpret_cast<const int8_t*>(src),
@@ -525,6 +565,16 @@ int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0, TokenScratch& 
     ++n;
   }
   return n;
+}
+
+// In place: the row of `writer`'s x whose index it wrote into slot (t, s), checked against its row count.
+const uint8_t* CombineV2Call::row_in_place(int writer, const uint8_t* slot, int64_t t, int s) const {
+  int64_t row;
+  std::memcpy(&row, slot, sizeof(row));
+  EPCOMM_CHECK_INTERNAL(row >= 0 && row < rows_of[writer] && in_x[writer], ctx.prefix(),
+                        "internal: ", ctx.peer_word(), " ", writer, " named row ", row, " of its ",
+                        rows_of[writer], " for (t=", t, ", slot=", s, ")");
+  return in_x[writer] + static_cast<size_t>(row) * row_bytes;
 }
 
 void CombineV2Call::zero_token(int64_t t) const {
@@ -655,7 +705,20 @@ bool CombineV2Call::step(bool& progressed) {
     progressed = true;
   }
   if (inter) all = proxy_step(progressed) && all;
-  return all && reduced == my_windows;
+  if (in_place && !released && reduced == my_windows) {  // done reading our contributors' x
+    for (int s = 0; s < W; ++s)
+      if (contributes[s] && s != me) ctx.signal(ctx.cell(s, me)->ack, pack(seq, 1), s);
+    released = progressed = true;
+  }
+  return all && reduced == my_windows && (!in_place || origins_released());
+}
+
+// In place: every origin we return rows to is done reading them (our x may go once we return).
+bool CombineV2Call::origins_released() const {
+  for (int o = 0; o < W; ++o)
+    if (o != me && returns_to(me, o) && ctx.cell(me, o)->ack.load(std::memory_order_acquire) < pack(seq, 1))
+      return false;
+  return true;
 }
 
 std::vector<int> CombineV2Call::awaited() const {
@@ -666,6 +729,10 @@ std::vector<int> CombineV2Call::awaited() const {
     for (int s = 0; s < W; ++s)
       if (contributes[s] && ctx.cell(me, s)->done.load(std::memory_order_acquire) < pack(seq, reduced + 1))
         add_awaited(peers, s, me);
+  if (in_place && reduced == my_windows)  // origins still reading our x
+    for (int o = 0; o < W; ++o)
+      if (o != me && returns_to(me, o) && ctx.cell(me, o)->ack.load(std::memory_order_acquire) < pack(seq, 1))
+        add_awaited(peers, o, me);
   if (inter)  // as proxy: origins whose next window we await, contributors of the open one
     for (int n = 0; n < inter->topo.num_nodes; ++n) {
       if (n == inter->topo.node() || px_forwarded[n] == px_windows[n]) continue;

@@ -146,7 +146,11 @@ struct CombineV2Input {
   DType dt = DType::bf16;  // expand_x dtype
   int comm_quant = 0;      // 0 or 2
   int64_t n_own = 0;
-  const uint8_t* rows = nullptr;      // [n_own, H] contiguous dt: the rows to return (after the TP reduce)
+  const uint8_t* rows = nullptr;  // [n_own, H] contiguous dt: the rows to return (after the TP reduce)
+  // Where `rows` start in this rank's output arena, or -1. When every rank's do (one node, comm_quant_mode
+  // 0), the origins read the rows in place (docs/distribute-v2.md, "Output arena").
+  int64_t rows_offset = -1;
+  CopyCounters* counters = nullptr;  // the group's (rows copied into windows, rows read in place), or null
   const int32_t* assist = nullptr;    // 3·n_own
   std::vector<int32_t> ids;           // [bs*K], -1 for an inactive slot
   std::vector<uint8_t> active;        // [bs]

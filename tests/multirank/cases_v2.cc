@@ -246,9 +246,10 @@ MR_CASE("v2_quant_modes", {}) {
 MR_CASE("v2_push_and_pull", {}) {
   // One node: senders push rows into expand_x / dynamic_scales that lie in the receivers' output arenas
   // (allocated outputs, or caller buffers from moe::output_buffer), and stage them for pulling as soon as
-  // one rank's do not (private caller buffers, or arena buffers on even ranks only). Both paths bit for bit,
-  // for every format, per-destination smoothing tables and shared experts; the copy counters say which
-  // path ran.
+  // one rank's do not (private caller buffers, or arena buffers on even ranks only); combine reads the
+  // expert outputs in place when every rank's lie in its arena, and copies them into the origins' windows
+  // otherwise. Every path bit for bit, for every format, per-destination smoothing tables and shared
+  // experts; the copy counters say which path ran.
   V2Groups g = make_v2_groups(ctx, 0, 512 << 10);
   const int W = ctx.size;
   struct Mode {
@@ -284,6 +285,12 @@ MR_CASE("v2_push_and_pull", {}) {
                                  : Place::arena_even_ranks;
       const bool all_arena = variant <= 1 || (variant == 3 && W == 1);
       run.expect_push = all_arena;
+      // Combine: expert outputs placed the same way; compressed rows (comm_quant 2) always go through the
+      // windows.
+      run.combine_place = run.place;
+      if (variant == 0) run.combine_place = Place::arena;
+      run.comm_quant = variant == 1 && m.mode % 2 ? 2 : 0;
+      run.expect_in_place = all_arena && run.comm_quant == 0;
       run_v2(g, run, epcomm::detail::cat("mode ", m.mode, " variant ", variant, ": "));
     }
 }

@@ -283,6 +283,14 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
   std::vector<uint8_t> mine = outs[me];
   mine.resize(static_cast<size_t>(ref.rows) * row, 0xFF);
   moe::CombineV2Args c = combine_args(P, ep, tp, d, mine);
+  Tensor arena_x;  // combine's expand_x in the output arena (moe::output_buffer)
+  if (run.combine_place == V2Run::Place::arena ||
+      (run.combine_place == V2Run::Place::arena_even_ranks && ep % 2 == 0)) {
+    arena_x = moe::output_buffer(*g.ep, s.dtype, c.expand_x.shape());
+    if (!mine.empty()) std::memcpy(arena_x.data(), mine.data(), mine.size());
+    c.expand_x = arena_x;
+  }
+  const moe::GroupCopyCounters before_combine = moe::group_copy_counters(*g.ep);
   c.comm_quant_mode = run.comm_quant;
   const V2Rank& r = P.at(ep, tp);
   if (run.shared_x) c.shared_expert_x = wrap(r.shared_x.data(), s.dtype, {r.bs, s.H});
@@ -292,6 +300,14 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
     c.x_out = xbuf->t;
   }
   Tensor x = moe::combine_v2(*g.ep, g.tp.get(), c, run.options);
+  if (run.expect_in_place) {
+    const moe::GroupCopyCounters after = moe::group_copy_counters(*g.ep);
+    const int64_t copied = after.combine_copied_rows - before_combine.combine_copied_rows;
+    const int64_t in_place = after.combine_in_place_rows - before_combine.combine_in_place_rows;
+    REQUIRE(*run.expect_in_place ? copied == 0 : in_place == 0, where, "combine_copied_rows grew by ", copied,
+            ", combine_in_place_rows by ", in_place, ", expected ",
+            *run.expect_in_place ? "rows read in place" : "rows copied");
+  }
   const V2CombineAcc acc = ref_combine_acc(P, refs, outs, ep, tp, run.comm_quant, run.shared_x);
   const std::vector<uint8_t> want = ref_round(P, acc);
   check_shape(where + "combine x", x, {r.bs + (run.caller_buffers ? 2 : 0), s.H});

@@ -34,6 +34,10 @@ struct V2Run {
   // Checked after the dispatch: whether this rank's tokens were pushed (dispatch_pushed_tokens grew) or
   // staged; unset: not checked.
   std::optional<bool> expect_push;
+  // Where combine's expand_x (the expert outputs) lies; with every rank's in its output arena the origins
+  // read the rows in place (comm_quant 0, one node), which expect_in_place checks (copy counters).
+  Place combine_place = Place::private_memory;
+  std::optional<bool> expect_in_place;
   bool combine = true;
   float norm_eps = 1e-6f;
   moe::OpOptions options;  // passed to every call

@@ -38,7 +38,8 @@ const char* kEpilog =
     "within calc_diff < 3e-3 (quantized) or 1e-5.\n\n"
     "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
     "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, outputs (arena: every rank's outputs lay in\n"
-    "its output arena, so dispatch_v2 pushed; private: staged pull), launcher, iters, warmup, selections,\n"
+    "its output arena, so dispatch_v2 pushed; private: staged pull), combine_input (arena: origins read\n"
+    "the expert outputs in place; private: copied into windows), launcher, iters, warmup, selections,\n"
     "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, first_iter_ratio\n"
     "(the group's first call, before the warm-up, timed as the others, over the median), p99_ratio,\n"
     "timing,\n"
@@ -65,9 +66,10 @@ struct V2BenchOptions {
   DType dtype = DType::bf16;
   uint64_t seed = 1;
   int64_t segment_bytes = 0;
-  int ranks_per_node = 0;      // 0: EPCOMM_RANKS_PER_NODE, else one node per host
-  int64_t num_rdma_bytes = 0;  // across nodes: lanes per rank (0 = 64 MiB)
-  bool arena = true;           // --outputs arena: the group context's output arena
+  int ranks_per_node = 0;         // 0: EPCOMM_RANKS_PER_NODE, else one node per host
+  int64_t num_rdma_bytes = 0;     // across nodes: lanes per rank (0 = 64 MiB)
+  bool arena = true;              // --outputs arena: the group context's output arena
+  bool combine_in_arena = false;  // --combine-input arena: the expert outputs from moe::output_buffer
   LaunchFlags launch;
 };
 
@@ -167,7 +169,9 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
 
   // Expert outputs: the dispatched rows, dequantized once.
   const int64_t n_own = d.ep_recv_counts.data_as<int32_t>()[d.ep_recv_counts.numel() - 1];
-  Tensor experts_out = empty(o.dtype, {n_own, H});  // combine reads only the first n_own rows
+  // Combine reads only the first n_own rows.
+  Tensor experts_out =
+      o.combine_in_arena ? moe::output_buffer(*group, o.dtype, {n_own, H}) : empty(o.dtype, {n_own, H});
   std::memset(experts_out.data(), 0, experts_out.nbytes());
   std::vector<float> f(static_cast<size_t>(H));
   for (int64_t i = 0; i < n_own; ++i) {
@@ -268,14 +272,21 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   const moe::GroupCopyCounters copies = moe::group_copy_counters(*group);
   const auto all_counts =
       all_gather_values(bs, std::vector<int64_t>{counts.rows, counts.ok, copies.dispatch_staged_tokens,
-                                                 copies.dispatch_pushed_tokens});
+                                                 copies.dispatch_pushed_tokens, copies.combine_copied_rows,
+                                                 copies.combine_in_place_rows});
   bool verified = true, pushed = false, staged = false;
   for (int s = 0; s < W; ++s) {
-    verified = verified && all_counts[4 * s + 1] == 1;
-    staged = staged || all_counts[4 * s + 2] > 0;
-    pushed = pushed || all_counts[4 * s + 3] > 0;
+    verified = verified && all_counts[6 * s + 1] == 1;
+    staged = staged || all_counts[6 * s + 2] > 0;
+    pushed = pushed || all_counts[6 * s + 3] > 0;
   }
   pushed = pushed && !staged;  // every call pushed
+  bool in_place = false, copied = false;
+  for (int s = 0; s < W; ++s) {
+    copied = copied || all_counts[6 * s + 4] > 0;
+    in_place = in_place || all_counts[6 * s + 5] > 0;
+  }
+  in_place = in_place && !copied;  // every combine read the rows in place
   if (r == 0) {
     for (int op = 0; op < 2; ++op) {
       const Timing tm = collective_timing(op_slice(all_starts, W, 2, o.iters, op),
@@ -306,6 +317,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("quant_mode", o.quant_mode)
           .add("comm_quant_mode", o.comm_quant)
           .add("outputs", pushed ? "arena" : "private")
+          .add("combine_input", in_place ? "arena" : "private")
           .add("launcher", o.launch.launcher == Launcher::fork ? "fork" : "threads")
           .add("bind", ranks_bind_name())
           .add("iters", o.iters)
@@ -370,6 +382,10 @@ int run_bench_v2(int argc, char** argv) {
         "where the outputs live: arena = the group's output arena (GroupContextOptions::"
         "num_output_arena_bytes, one node: dispatch_v2 writes rows straight into the receivers' outputs), "
         "private = none (rows staged and pulled)");
+  p.add("combine-input", "arena|private", "private",
+        "where combine_v2's expand_x (the expert outputs) lives: arena = moe::output_buffer (one node, with "
+        "--outputs arena: the origins read every row in place), private = ordinary memory (rows copied into "
+        "the origins' windows)");
   add_launch_flags(p);
   p.set_epilog(kEpilog);
   if (!p.parse(argc, argv)) {
@@ -394,6 +410,7 @@ int run_bench_v2(int argc, char** argv) {
   o.ranks_per_node = static_cast<int>(p.integer("ranks-per-node", 0, 1024));
   o.num_rdma_bytes = p.given("num-rdma-bytes") ? p.bytes("num-rdma-bytes") : 0;
   o.arena = p.choice("outputs", {"arena", "private"}) == "arena";
+  o.combine_in_arena = p.choice("combine-input", {"arena", "private"}) == "arena";
   o.launch = read_launch_flags(p);
   if (o.topk > o.experts) throw UsageError(bad_value("topk", "<= experts", std::to_string(o.topk)));
   for (int W : o.ranks) {

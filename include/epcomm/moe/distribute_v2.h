@@ -62,11 +62,13 @@ struct GroupNetworkCounters {
 };
 GroupNetworkCounters group_network_counters(Group& group);
 
-// What this rank's dispatch_v2 calls did with their tokens since the group's context was created: shows
-// whether the output arena is in use (docs/distribute-v2.md, "Output arena"). Zero without a context.
+// What this rank's dispatch_v2 and combine calls did with their rows since the group's context was created:
+// shows whether the output arena is in use (docs/distribute-v2.md, "Output arena"). Zero without a context.
 struct GroupCopyCounters {
   int64_t dispatch_staged_tokens = 0;  // tokens whose payload it staged (quantized) for receivers to pull
   int64_t dispatch_pushed_tokens = 0;  // tokens whose rows it wrote straight into receivers' expand_x
+  int64_t combine_copied_rows = 0;     // combine rows it copied (or compressed) into other origins' windows
+  int64_t combine_in_place_rows = 0;   // combine rows other origins read in place from its expand_x
 };
 GroupCopyCounters group_copy_counters(Group& group);
 
