@@ -427,13 +427,15 @@ def _own_handle(st, handle, pre):
 
 
 def combine_buffer(buffer, handle):
-    """The [rows, H] bf16 tensor to write the expert outputs into for combine(..., zero_copy=True). An ordinary
-    tensor kept on the handle (combine_v2 reads it where it is); the same tensor on every call for a handle."""
+    """The [rows, H] bf16 tensor to write the expert outputs into for combine(..., zero_copy=True), kept on the
+    handle (the same tensor on every call for a handle). It lies in the operator group's output arena: on one
+    node every origin reads its rows there in place (distribute-v2.md, "Output arena")."""
     op = "get_next_low_latency_combine_buffer"
     pre = _prefix(buffer, op)
-    meta = _own_handle(_state(buffer, op), handle, pre)
+    st = _state(buffer, op)
+    meta = _own_handle(st, handle, pre)
     if meta.combine_buffer is None:
-        meta.combine_buffer = torch.empty(meta.rows, handle.hidden, dtype=torch.bfloat16)
+        meta.combine_buffer = _arena_empty(st.c, (meta.rows, handle.hidden), "bf16")
     return meta.combine_buffer
 
 

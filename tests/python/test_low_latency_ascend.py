@@ -286,9 +286,13 @@ def _hooks_body(rank, world):
     assert zb.shape == (A, H) and zb.dtype == torch.bfloat16
     assert buf.get_next_low_latency_combine_buffer(o3[2]) is zb
     zb.copy_(combine_x(p1))
+    before = _C.moe_group_copy_counters(buf._ll_ascend_state.c)
     y3, _, hook3 = buf.low_latency_combine(torch.empty(0), p1[1][rank], p1[2][rank], o3[2], zero_copy=True)
     hook3()
     assert same_bits(y3, expect_combine(rank, p1[1], p1[2], p1[3], H))
+    # Every rank's combine buffer lies in its output arena: no row was copied into a window.
+    after = _C.moe_group_copy_counters(buf._ll_ascend_state.c)
+    assert after["combine_copied_rows"] == before["combine_copied_rows"], (before, after)
     # A sync call after queued ones keeps the order; results of earlier calls stay valid.
     o4 = dispatch(p2, return_recv_hook=True)
     o5 = dispatch(p1)
