@@ -34,12 +34,6 @@ void check_n(int64_t n) {
 
 }  // namespace
 
-EPCOMM_QUANT_CLONES void int8_per_token_a3(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q,
-                                           float* scale) {
-  check_n(n);
-  with_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE { kernels::int8_per_token_a3(r, n, q, scale); });
-}
-
 EPCOMM_QUANT_CLONES void int8_per_token_950(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q,
                                             float* scale) {
   check_n(n);
@@ -48,7 +42,12 @@ EPCOMM_QUANT_CLONES void int8_per_token_950(DType in, const void* x, int64_t n, 
 
 namespace {
 
-// ---- the portable fp8 and MX loops (simd.h's "portable" set); the arguments are checked ----
+// ---- the portable fp8, MX and int8 loops (simd.h's "portable" set); the arguments are checked ----
+
+EPCOMM_QUANT_CLONES void int8_per_token_portable(DType in, const void* x, int64_t n, const Smoothing& c,
+                                                 int8_t* q, float* scale) {
+  visit_row(in, x, c, [&](auto r) EPCOMM_QUANT_LAMBDA_INLINE { kernels::int8_per_token_a3(r, n, q, scale); });
+}
 
 EPCOMM_QUANT_CLONES void fp8_per_token_portable(Fp8Format fmt, DType in, const void* x, int64_t n,
                                                 const Smoothing& c, uint8_t* codes, float* scale) {
@@ -116,8 +115,15 @@ const Fp8KernelSet& best_fp8() {
 }  // namespace
 
 Fp8KernelSet portable_fp8_kernels() {
-  return {"portable", fp8_per_group128_portable, fp8_per_token_portable, fp8_per_group128_a3_portable,
-          mx_quantize_portable};
+  return {
+      "portable",           fp8_per_group128_portable, fp8_per_token_portable, fp8_per_group128_a3_portable,
+      mx_quantize_portable, int8_per_token_portable};
+}
+
+void int8_per_token_a3(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q, float* scale) {
+  check_n(n);
+  check_row(in, c);
+  best_fp8().int8_per_token(in, x, n, c, q, scale);
 }
 
 void fp8_per_token(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothing& c, uint8_t* codes,

@@ -92,6 +92,7 @@ struct Avx512 {
   static F setf(float f) { return _mm512_set1_ps(f); }
   static I set(uint32_t u) { return _mm512_set1_epi32(static_cast<int>(u)); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static I cvt_rne(F a) { return _mm512_cvtps_epi32(a); }  // the MXCSR rounding: to nearest even
   static F addf(F a, F b) { return _mm512_add_ps(a, b); }
   static I bits(F a) { return _mm512_castps_si512(a); }
   static F as_float(I a) { return _mm512_castsi512_ps(a); }
@@ -170,6 +171,7 @@ struct Avx2 {
   static F setf(float f) { return _mm256_set1_ps(f); }
   static I set(uint32_t u) { return _mm256_set1_epi32(static_cast<int>(u)); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static I cvt_rne(F a) { return _mm256_cvtps_epi32(a); }
   static F addf(F a, F b) { return _mm256_add_ps(a, b); }
   static I bits(F a) { return _mm256_castps_si256(a); }
   static F as_float(I a) { return _mm256_castsi256_ps(a); }

@@ -198,6 +198,48 @@ void per_token(Fp8Format fmt, DType in, const void* x, int64_t n, const Smoothin
   });
 }
 
+// int8_per_token_a3 of kernels.h: one amax over the row (over the raw words for plain bf16), then
+// q = RNE(xf ⊗ s), s = 127 / amax. |xf| <= amax keeps every product within 127 (1 + 2^-23)^2, which rounds
+// to at most 127: int8_sat's clamp never acts, so the conversion alone gives its codes.
+template <class R>
+EPCOMM_QUANT_INLINE void int8_token_t(R r, int64_t n, int8_t* q, float* scale) {
+  const Loader<R> ld{r};
+  const int64_t whole = n / kUnit * kUnit;
+  uint32_t m = 0;
+  if constexpr (Loader<R>::kRaw) {
+    I mv = V::set(0);
+    for (int64_t b = 0; b < whole; b += 2 * kW) mv = V::max_u16(mv, V::abs16(V::load_raw(r.src.p + b)));
+    m = V::hmax16(mv);
+  } else {
+    I mv = V::set(0);
+    for (int64_t b = 0; b < whole; b += kUnit) {
+      F v[4];
+      ld.unit(b, v);
+      mv = V::max_u(mv, abs_max(v, 4));
+    }
+    m = V::hmax(mv);
+  }
+  const uint32_t t = amax_bits(r, whole, n);
+  m = m > t ? m : t;
+  const float s = 127.0f / f32_from_bits(m);
+  if (m >= kInfBits || m == 0 || f32_bits(s) == kInfBits) return kernels::int8_per_token_a3(r, n, q, scale);
+  const F sv = V::setf(s);
+  const I low = V::set(0xFFu);
+  for (int64_t b = 0; b < whole; b += kUnit) {
+    F v[4];
+    I c[4];
+    ld.unit(b, v);
+    for (int k = 0; k < 4; ++k) c[k] = V::band(V::cvt_rne(V::mul(v[k], sv)), low);
+    V::store_bytes(reinterpret_cast<uint8_t*>(q) + b, V::template pack_unit<Loader<R>::kInterleaved>(c));
+  }
+  for (int64_t i = whole; i < n; ++i) q[i] = int8_sat(r(i) * s, -127, 127);
+  *scale = 1.0f / s;
+}
+
+void int8_per_token(DType in, const void* x, int64_t n, const Smoothing& c, int8_t* q, float* scale) {
+  visit_row(in, x, c, [&](auto r) { int8_token_t(r, n, q, scale); });
+}
+
 template <class Fmt, bool kRceil, class R>
 EPCOMM_QUANT_INLINE void mx_t(R r, int64_t n, uint8_t* codes, uint8_t* scales) {
   auto step = [scales](int64_t g, uint32_t m)
@@ -224,4 +266,5 @@ void mx(MxElem elem, ScaleRule rule, DType in, const void* x, int64_t n, uint8_t
   });
 }
 
-constexpr Fp8KernelSet kSet{V::kW == 16 ? "avx512" : "avx2", per_group128, per_token, per_group128_a3, mx};
+constexpr Fp8KernelSet kSet{
+    V::kW == 16 ? "avx512" : "avx2", per_group128, per_token, per_group128_a3, mx, int8_per_token};

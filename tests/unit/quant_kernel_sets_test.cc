@@ -1,4 +1,4 @@
-// unit/quant_kernel_sets_test.cc — every fp8/MX kernel set this CPU runs (quant/simd.h: AVX-512, AVX2,
+// unit/quant_kernel_sets_test.cc — every fp8/MX/int8 kernel set this CPU runs (quant/simd.h: AVX-512, AVX2,
 // portable) against the portable loops, bit for bit, on adversarial rows: every input dtype and smoothing,
 // lengths with partial groups and vector tails, groups that are NaN, ±Inf, zero, fp32-subnormal, below the
 // 1e-4 floor, whose small elements land on fp8 subnormals, and random bit patterns (ties included).
@@ -176,6 +176,34 @@ TEST(QuantKernelSets, Fp8PerTokenAndPerGroup128A3) {
           if (!scales.empty()) std::memcpy(out + n, scales.data(), 4 * scales.size());  // n = 0: none
         });
   }
+}
+
+TEST(QuantKernelSets, Int8PerTokenA3) {
+  auto call = [](const Fp8KernelSet& s, DType dt, const void* x, int64_t n, const Smoothing& c,
+                 uint8_t* out) {
+    float scale;
+    s.int8_per_token(dt, x, n, c, reinterpret_cast<int8_t*>(out), &scale);
+    std::memcpy(out + n, &scale, 4);
+  };
+  compare_sets("int8_per_token_a3", 12, true, call);
+  // Finite rows too (most long adversarial rows hold a NaN or an Inf, which the scalar loop handles): the
+  // vector conversion on every length and dtype, ties to even included.
+  const Fp8KernelSet portable = q::portable_fp8_kernels();
+  Rng rng(13);
+  for (int64_t n : kLengths)
+    for (DType dt : kDtypes) {
+      std::vector<uint32_t> bits = adversarial_row(rng, n);
+      for (uint32_t& b : bits)
+        if (((b >> 23) & 0xFF) == 0xFF) b &= ~(1u << 23);  // NaN / Inf -> a large finite value
+      const std::vector<uint8_t> x = as_dtype(bits, dt);
+      std::vector<uint8_t> want(static_cast<size_t>(n) + 4), got = want;
+      call(portable, dt, x.data(), n, Smoothing::none(), want.data());
+      for (const Fp8KernelSet& s : q::fp8_kernel_sets()) {
+        call(s, dt, x.data(), n, Smoothing::none(), got.data());
+        ASSERT_EQ(want, got) << "finite row: set " << s.name << ", dtype " << epcomm::dtype_name(dt) << ", n "
+                             << n;
+      }
+    }
 }
 
 TEST(QuantKernelSets, MxEveryElementAndRule) {
