@@ -288,9 +288,11 @@ void bind_ops(py::module_& m) {
   m.def(
       "moe_init_group_context",
       [](const std::shared_ptr<Group>& g, int64_t segment_bytes, std::optional<double> timeout_s,
-         int ranks_per_node, int64_t num_rdma_bytes, int64_t num_output_arena_bytes) {
+         int ranks_per_node, int64_t num_rdma_bytes, int64_t num_output_arena_bytes,
+         int64_t num_output_reserve_bytes) {
         moe::GroupContextOptions o;
         o.num_output_arena_bytes = num_output_arena_bytes;
+        o.num_output_reserve_bytes = num_output_reserve_bytes;
         o.segment_bytes = segment_bytes;
         o.timeout_s = timeout_s;
         o.ranks_per_node = ranks_per_node;
@@ -299,7 +301,8 @@ void bind_ops(py::module_& m) {
         moe::init_group_context(*g, o);
       },
       py::arg("group"), py::arg("segment_bytes") = 0, py::arg("timeout_s") = py::none(),
-      py::arg("ranks_per_node") = 0, py::arg("num_rdma_bytes") = 0, py::arg("num_output_arena_bytes") = -1);
+      py::arg("ranks_per_node") = 0, py::arg("num_rdma_bytes") = 0, py::arg("num_output_arena_bytes") = -1,
+      py::arg("num_output_reserve_bytes") = 0);
   m.def(
       "moe_output_buffer",
       [](const std::shared_ptr<Group>& g, const std::vector<int64_t>& shape, const std::string& dtype) {

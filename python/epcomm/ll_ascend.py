@@ -161,7 +161,10 @@ def _state(buffer, op):
 
         # Collective (every rank makes its first LL call on this Buffer together).
         g = Group(buffer.group)
-        _C.moe_init_group_context(g._c, 0, buffer.timeout_s, _ranks_per_node(buffer), 0)
+        # The operators' output arena gets the Buffer's low-latency reserve (num_rdma_bytes, which the size
+        # hint makes two calls' outputs), so that the first calls' rows land on pages every rank has mapped.
+        reserve = buffer.num_rdma_bytes if buffer.low_latency_mode else 0
+        _C.moe_init_group_context(g._c, 0, buffer.timeout_s, _ranks_per_node(buffer), 0, -1, reserve)
         st = _State(g)
         buffer._ll_ascend_state = st
         buffer._ll_ascend_finalizer = weakref.finalize(buffer, st.shutdown)

@@ -46,7 +46,7 @@ def unregister_group(name):
 
 
 def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0, num_rdma_bytes=0,
-                       num_output_arena_bytes=-1):
+                       num_output_arena_bytes=-1, num_output_reserve_bytes=0):
     """Creates the operator context of `group` (a ProcessGroup, an epcomm.Group or a registered name) with
     these options, collectively over the group; raises InvalidUsageError when it already has one. Optional:
     without it the context gets the defaults on the group's first call.
@@ -57,7 +57,9 @@ def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0,
     node per host. num_rdma_bytes: across nodes, the per-rank lanes (0 = 64 MiB). See docs/internode.md.
     num_output_arena_bytes: one node, the address space of each rank's output arena, which dispatch_v2's
     expand_x / dynamic_scales and output_buffer's tensors come from so that senders write rows straight into
-    them (-1 = EPCOMM_OUTPUT_ARENA, else the physical memory; 0 = none: rows are staged and pulled)."""
+    them (-1 = EPCOMM_OUTPUT_ARENA, else the physical memory; 0 = none: rows are staged and pulled).
+    num_output_reserve_bytes: arena memory written through at creation and mapped by every peer then, so that
+    the first calls' rows land on pages that exist (0 = none)."""
     from .group import Group
 
     pre = "init_group_context: "
@@ -65,6 +67,7 @@ def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0,
         num_rdma_bytes, "num_rdma_bytes", prefix=pre)
     ranks_per_node = int_arg(ranks_per_node, "ranks_per_node", INT32, prefix=pre)
     num_output_arena_bytes = int_arg(num_output_arena_bytes, "num_output_arena_bytes", prefix=pre)
+    num_output_reserve_bytes = int_arg(num_output_reserve_bytes, "num_output_reserve_bytes", prefix=pre)
     if timeout_s is not None:
         timeout_s = number_arg(timeout_s, "timeout_s", prefix=pre)
     g = _resolve("init_group_context", "group", group, None, True)
@@ -74,13 +77,14 @@ def init_group_context(group, segment_bytes=0, timeout_s=None, ranks_per_node=0,
                                     "by an earlier call)")
         c = Group(g)
         _C.moe_init_group_context(c._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes,
-                                  num_output_arena_bytes)
+                                  num_output_arena_bytes, num_output_reserve_bytes)
         _groups[g] = c
         return
     if not isinstance(g, Group):
         raise InvalidUsageError(f"init_group_context: argument: group: expected a torch.distributed ProcessGroup, "
                                 f"an epcomm.Group or a registered name, got {type(g).__name__}")
-    _C.moe_init_group_context(g._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes, num_output_arena_bytes)
+    _C.moe_init_group_context(g._c, segment_bytes, timeout_s, ranks_per_node, num_rdma_bytes, num_output_arena_bytes,
+                              num_output_reserve_bytes)
 
 
 def group_copy_counters(group):

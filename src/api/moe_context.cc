@@ -37,14 +37,19 @@ void create_context(Group& group, const GroupContextOptions& options) {
   EPCOMM_CHECK(options.num_output_arena_bytes >= -1, pre,
                "argument: num_output_arena_bytes: expected >= 0, or -1 for auto, got ",
                options.num_output_arena_bytes);
-  req.arena = {epcomm::detail::arena_bytes_for(options.num_output_arena_bytes), 0};
+  EPCOMM_CHECK(options.num_output_reserve_bytes >= 0, pre,
+               "argument: num_output_reserve_bytes: expected >= 0, got ", options.num_output_reserve_bytes);
+  req.arena = {epcomm::detail::arena_bytes_for(options.num_output_arena_bytes),
+               static_cast<size_t>(options.num_output_reserve_bytes)};
   auto ctx = std::make_shared<GroupContext>();
   ctx->open(group, req);
   EPCOMM_LOG(
       info, group.rank(), "moe group context: ",
       epcomm::detail::describe_ranks(group.rank(), ctx->node_of_rank, *ctx->transport, ctx->network.get()),
       "; segment ", detail::bytes_str(ctx->segment_bytes), "; output arena ",
-      ctx->arena() ? detail::bytes_str(static_cast<int64_t>(ctx->arena()->bytes())) : std::string("none"),
+      ctx->arena() ? detail::cat(detail::bytes_str(static_cast<int64_t>(ctx->arena()->bytes())), " (reserve ",
+                                 detail::bytes_str(options.num_output_reserve_bytes), ")")
+                   : std::string("none"),
       ctx->network ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
       "; timeout ", ctx->timeout_s, " s");
   group.moe_context() = std::move(ctx);

@@ -39,7 +39,8 @@ const char* kEpilog =
     "Output: one JSON object per line, fields api, op, ranks, tokens, hidden, topk, experts,\n"
     "shared_expert_ranks, dtype, quant_mode, comm_quant_mode, outputs (arena: every rank's outputs lay in\n"
     "its output arena, so dispatch_v2 pushed; private: staged pull), combine_input (arena: origins read\n"
-    "the expert outputs in place; private: copied into windows), launcher, iters, warmup, selections,\n"
+    "the expert outputs in place; private: copied into windows), output_reserve_bytes, launcher, iters,\n"
+    "warmup, selections,\n"
     "row_bytes, bytes_per_rank, time_us_median, time_us_min, time_us_p99, time_us_max, first_iter_ratio\n"
     "(the group's first call, before the warm-up, timed as the others, over the median), p99_ratio,\n"
     "timing,\n"
@@ -70,6 +71,7 @@ struct V2BenchOptions {
   int64_t num_rdma_bytes = 0;     // across nodes: lanes per rank (0 = 64 MiB)
   bool arena = true;              // --outputs arena: the group context's output arena
   bool combine_in_arena = false;  // --combine-input arena: the expert outputs from moe::output_buffer
+  int64_t output_reserve = -1;  // --output-reserve: GroupContextOptions::num_output_reserve_bytes; -1 = auto
   LaunchFlags launch;
 };
 
@@ -84,6 +86,17 @@ size_t scale_bytes_of(int mode, int64_t H) {
     default:
       return 0;
   }
+}
+
+// --output-reserve auto: what one iteration keeps in the arena, at most W·T·K rows of expand_x and its
+// scales (T·A <= that) and, with --combine-input arena, as many expert-output rows; +2% and a page.
+int64_t reserve_bytes(const V2BenchOptions& o, int W) {
+  if (o.output_reserve >= 0) return o.output_reserve;
+  const int64_t rows = static_cast<int64_t>(W) * o.tokens * o.topk;
+  const int64_t elem = o.quant_mode == 0 ? static_cast<int64_t>(dtype_size(o.dtype)) : 1;
+  int64_t bytes = rows * (o.hidden * elem + static_cast<int64_t>(scale_bytes_of(o.quant_mode, o.hidden)));
+  if (o.combine_in_arena) bytes += rows * o.hidden * 2;
+  return bytes + bytes / 50 + 4096;
 }
 
 // Token t's experts on rank r: topk distinct MoE experts, uniform, from the seed.
@@ -134,6 +147,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   co.ranks_per_node = o.ranks_per_node;
   co.num_rdma_bytes = o.num_rdma_bytes;
   if (!o.arena) co.num_output_arena_bytes = 0;
+  co.num_output_reserve_bytes = o.arena ? reserve_bytes(o, W) : 0;
   moe::init_group_context(*group, co);
   const int nodes = moe::group_num_nodes(*group);
   const int64_t T = o.tokens, H = o.hidden;
@@ -318,6 +332,7 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
           .add("comm_quant_mode", o.comm_quant)
           .add("outputs", pushed ? "arena" : "private")
           .add("combine_input", in_place ? "arena" : "private")
+          .add("output_reserve_bytes", o.arena ? reserve_bytes(o, W) : 0)
           .add("launcher", o.launch.launcher == Launcher::fork ? "fork" : "threads")
           .add("bind", ranks_bind_name())
           .add("iters", o.iters)
@@ -386,6 +401,12 @@ int run_bench_v2(int argc, char** argv) {
         "where combine_v2's expand_x (the expert outputs) lives: arena = moe::output_buffer (one node, with "
         "--outputs arena: the origins read every row in place), private = ordinary memory (rows copied into "
         "the origins' windows)");
+  p.add(
+      "output-reserve", "auto|B", "auto",
+      "GroupContextOptions::num_output_reserve_bytes (K/M/G suffixes): arena memory faulted in on every rank "
+      "when the group is created, so that the first call's rows land on pages that exist; auto = the outputs "
+      "of one iteration (expand_x and its scales, and the expert outputs with --combine-input arena), +2%; "
+      "0 = none");
   add_launch_flags(p);
   p.set_epilog(kEpilog);
   if (!p.parse(argc, argv)) {
@@ -411,6 +432,7 @@ int run_bench_v2(int argc, char** argv) {
   o.num_rdma_bytes = p.given("num-rdma-bytes") ? p.bytes("num-rdma-bytes") : 0;
   o.arena = p.choice("outputs", {"arena", "private"}) == "arena";
   o.combine_in_arena = p.choice("combine-input", {"arena", "private"}) == "arena";
+  if (p.str("output-reserve") != "auto") o.output_reserve = p.bytes("output-reserve");
   o.launch = read_launch_flags(p);
   if (o.topk > o.experts) throw UsageError(bad_value("topk", "<= experts", std::to_string(o.topk)));
   for (int W : o.ranks) {

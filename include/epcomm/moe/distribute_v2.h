@@ -45,6 +45,10 @@ struct GroupContextOptions {
   // (docs/distribute-v2.md, "Output arena"). -1 = EPCOMM_OUTPUT_ARENA, else the physical memory; 0 = none
   // (rows are staged and pulled). Pages exist only where outputs were written.
   int64_t num_output_arena_bytes = -1;
+  // Output memory of the arena written through when the context is created, and mapped by every peer then,
+  // so that the first calls' rows land on pages that exist on every rank (size it for the outputs one call
+  // keeps alive: expand_x and its scales, and expert outputs from output_buffer). 0 = none.
+  int64_t num_output_reserve_bytes = 0;
 };
 // Collective over `group`. Throws InvalidUsage when the group already has a context.
 void init_group_context(Group& group, const GroupContextOptions& options = {});
