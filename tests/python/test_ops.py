@@ -204,6 +204,14 @@ def _arena_body(rank, world):
         assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), f"output {i}"
     with pytest.raises(epcomm.InvalidUsageError, match="num_output_arena_bytes"):
         ops.init_group_context(dist.new_group(list(range(world))), num_output_arena_bytes=-2)
+    with pytest.raises(epcomm.InvalidUsageError, match="num_output_reserve_bytes"):
+        ops.init_group_context(dist.new_group(list(range(world))), num_output_reserve_bytes=-1)
+    # A reserved arena: the same pushed rows.
+    reserved = dist.new_group(list(range(world)))
+    ops.init_group_context(reserved, num_output_reserve_bytes=1 << 20)
+    again = ops.npu_moe_distribute_dispatch_v2(x, ids, reserved, world, rank, E, quant_mode=2)
+    assert ops.group_copy_counters(reserved)["dispatch_pushed_tokens"] == BS
+    assert all(torch.equal(a, b) for a, b in zip(again, pushed))
 
 
 def test_output_arena_push():
