@@ -214,10 +214,8 @@ void write_pushed_rows(const DispatchInput& in, const RowFormat& f, const PushPl
                       dtype_size(f.scale_dtype));
       }
       const size_t at = static_cast<size_t>(t) * plan.slots;
-      const int m = plan.count[static_cast<size_t>(t)];
-      if (scale_bytes)
-        for (int j = 0; j < m; ++j) std::memcpy(plan.scales[at + j], scales, scale_bytes);
-      copy_row_to(plan.rows.data() + at, m, x, bytes, false, cache_resident);
+      write_token_rows(plan.rows.data() + at, plan.scales.data() + at, plan.count[static_cast<size_t>(t)], x,
+                       bytes, scales, scale_bytes, cache_resident);
     }
     if (n > 1) store_fence();  // this thread's streaming stores, before the caller publishes them
   };

@@ -209,11 +209,10 @@ struct DispatchV2Call {
   std::vector<int64_t> nwin, pulled;
   // plan_push: the destinations of our tokens' rows, token by token (token t's are
   // [push_first[t], push_first[t + 1])), and whether the host's pushed rows fit the cache.
-  struct PushRow {
-    uint8_t *data, *scales;
-    int32_t smooth_row;  // the (S+E, H) smoothing table's row of this copy (per-destination payloads)
-  };
-  std::vector<PushRow> push_to;
+  // Each row's data and scales destinations, and the (S+E, H) smoothing table's row of its payload
+  // (per-destination payloads).
+  std::vector<uint8_t*> push_data, push_scales;
+  std::vector<int32_t> push_smooth;
   std::vector<int64_t> push_first;
   bool push_plain = false;
 };
@@ -401,13 +400,13 @@ void DispatchV2Call::plan_push() {
       static_cast<size_t>(host_rows) * (f.data_bytes + f.scale_bytes) <= cache_resident_push_bytes() / 2;
   auto add = [&](int d, int el, int smooth_row) {
     const int64_t row = next[d][el]++;
-    push_to.push_back({data[d] + static_cast<size_t>(row) * f.data_bytes,
-                       scales[d] ? scales[d] + static_cast<size_t>(row) * f.scale_bytes : nullptr,
-                       smooth_row});
+    push_data.push_back(data[d] + static_cast<size_t>(row) * f.data_bytes);
+    push_scales.push_back(scales[d] ? scales[d] + static_cast<size_t>(row) * f.scale_bytes : nullptr);
+    push_smooth.push_back(smooth_row);
   };
   push_first.assign(static_cast<size_t>(in.bs) + 1, 0);
   for (int64_t t = 0; t < in.bs; ++t) {
-    push_first[t] = static_cast<int64_t>(push_to.size());
+    push_first[t] = static_cast<int64_t>(push_data.size());
     if (!in.active[t]) continue;
     for (int p = 0; p < lay.Sr; ++p)
       if (lay.shared_serves(p, me)) add(p, 0, lay.shared_expert_of(p));
@@ -417,12 +416,12 @@ void DispatchV2Call::plan_push() {
         add(d, e - (d - lay.Sr) * lay.L, S + e);
       }
   }
-  push_first[in.bs] = static_cast<int64_t>(push_to.size());
+  push_first[in.bs] = static_cast<int64_t>(push_data.size());
 }
 
 // Push: our tokens' rows, split over the call's copy threads by token; then every receiver is told.
 void DispatchV2Call::push_rows() {
-  const int64_t bytes = static_cast<int64_t>(push_to.size() * (f.data_bytes + f.scale_bytes));
+  const int64_t bytes = static_cast<int64_t>(push_data.size() * (f.data_bytes + f.scale_bytes));
   const size_t room = align64(f.data_bytes + f.scale_bytes) + kAlign;
   for_parts(in.workers, in.threads, bytes, in.bs, [&](int64_t b, int64_t e) {
     std::vector<uint8_t> buf(room);  // one payload, quantized once and copied to each destination
@@ -442,29 +441,23 @@ void DispatchV2Call::push_rows() {
 
 // Token t's payload, made once (once per copy with a smoothing table), written to each of its rows.
 void DispatchV2Call::push_token(int64_t t, uint8_t* scratch, std::vector<float>& qscratch, bool plain) const {
-  const PushRow* first = push_to.data() + push_first[t];
-  const int n = static_cast<int>(push_first[t + 1] - push_first[t]);
-  if (n == 0) return;
-  auto put = [&](const PushRow* rows, int count, const uint8_t* src) {
-    uint8_t* dsts[64];
-    for (int i = 0; i < count; i += 64) {
-      const int c = std::min(64, count - i);
-      for (int j = 0; j < c; ++j) dsts[j] = rows[i + j].data;
-      copy_row_to(dsts, c, src, f.data_bytes, false, plain);
-    }
-    if (f.scale_bytes)
-      for (int j = 0; j < count; ++j) std::memcpy(rows[j].scales, src + f.data_bytes, f.scale_bytes);
+  const int64_t i = push_first[t];
+  const int n = static_cast<int>(push_first[t + 1] - i);
+  auto put = [&](int64_t j, int count, const uint8_t* src) {
+    write_token_rows(push_data.data() + j, push_scales.data() + j, count, src, f.data_bytes,
+                     src + f.data_bytes, f.scale_bytes, plain);
   };
+  if (n == 0) return;
   if (my_payloads > 1) {  // each copy quantized with its own smoothing row
-    for (int j = 0; j < n; ++j) {
-      make_payload(in, t, first[j].smooth_row, scratch, qscratch, true);
-      put(first + j, 1, scratch);
+    for (int64_t j = i; j < i + n; ++j) {
+      make_payload(in, t, push_smooth[j], scratch, qscratch, true);
+      put(j, 1, scratch);
     }
     return;
   }
-  if (f.quant_mode == 0) return put(first, n, in.x + static_cast<size_t>(t) * in.x_row_bytes);
+  if (f.quant_mode == 0) return put(i, n, in.x + static_cast<size_t>(t) * in.x_row_bytes);
   make_payload(in, t, 0, scratch, qscratch, true);
-  put(first, n, scratch);
+  put(i, n, scratch);
 }
 
 // Stages window w into its half, its tokens split over the call's copy threads (each token's record is

@@ -105,6 +105,13 @@ void copy_row(void* dst, const void* src, size_t bytes, bool fence, bool cache_r
   copy_row_to(&d, 1, src, bytes, fence, cache_resident);
 }
 
+void write_token_rows(uint8_t* const* dsts, uint8_t* const* scale_dsts, int n, const void* src, size_t bytes,
+                      const void* scales, size_t scale_bytes, bool cache_resident) {
+  if (scale_bytes)
+    for (int j = 0; j < n; ++j) std::memcpy(scale_dsts[j], scales, scale_bytes);
+  copy_row_to(dsts, n, src, bytes, false, cache_resident);
+}
+
 size_t cache_resident_push_bytes() {
   static const size_t limit = [] {
     constexpr size_t kMax = size_t{16} << 20;

@@ -18,6 +18,11 @@ void copy_row(void* dst, const void* src, size_t bytes, bool fence = true, bool 
 // to every destination), as copy_row would one by one.
 void copy_row_to(uint8_t* const* dsts, int n, const void* src, size_t bytes, bool fence = true,
                  bool cache_resident = false);
+// A pushed token (both dispatches): its `bytes` of data from `src` to each of the n rows `dsts`, in one pass
+// (streaming stores unless `cache_resident`; the caller fences before publishing), and its `scale_bytes` of
+// scales from `scales` to each of `scale_dsts` (none when scale_bytes is 0).
+void write_token_rows(uint8_t* const* dsts, uint8_t* const* scale_dsts, int n, const void* src, size_t bytes,
+                      const void* scales, size_t scale_bytes, bool cache_resident);
 // A dispatch whose pushed rows, all ranks of the host together, weigh at most this many bytes writes them
 // with plain stores: they stay in the shared cache, where their receivers read them next (the combine, or
 // the experts), instead of going to memory and back. Half the last-level cache the system reports, at most
