@@ -107,9 +107,9 @@ void copy_row(void* dst, const void* src, size_t bytes, bool fence, bool cache_r
 
 void write_token_rows(uint8_t* const* dsts, uint8_t* const* scale_dsts, int n, const void* src, size_t bytes,
                       const void* scales, size_t scale_bytes, bool cache_resident) {
-  if (scale_bytes)
-    for (int j = 0; j < n; ++j) std::memcpy(scale_dsts[j], scales, scale_bytes);
   copy_row_to(dsts, n, src, bytes, false, cache_resident);
+  if (scale_bytes)  // after the data (dispatch_v2 at the decode shape: 466 us against 473 the other way round)
+    for (int j = 0; j < n; ++j) std::memcpy(scale_dsts[j], scales, scale_bytes);
 }
 
 size_t cache_resident_push_bytes() {
