@@ -21,10 +21,12 @@ std::atomic<int> g_num_threads{env::num_threads_default()};
 
 // The output reserve a Buffer faults in at creation. In low-latency mode it is at least num_rdma_bytes,
 // which get_low_latency_rdma_size_hint sizes for two calls' outputs: the first call's rows land on pages
-// that exist, like every later call's.
+// that exist, like every later call's. The ascend flavor's low-latency outputs live in its operator group's
+// arena instead (docs/low-latency-ascend.md), which gets that reserve.
 int64_t output_reserve_bytes(const BufferOptions& o) {
-  return std::max<int64_t>(o.low_latency_mode ? std::max(o.num_output_reserve_bytes, o.num_rdma_bytes)
-                                              : o.num_output_reserve_bytes,
+  const bool ll_here = o.low_latency_mode && o.flavor != "ascend";
+  return std::max<int64_t>(ll_here ? std::max(o.num_output_reserve_bytes, o.num_rdma_bytes)
+                                   : o.num_output_reserve_bytes,
                            0);
 }
 
