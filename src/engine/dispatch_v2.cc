@@ -390,6 +390,9 @@ void DispatchV2Call::plan_push() {
   int64_t host_rows = 0;
   for (int d = 0; d < W; ++d) {
     const std::vector<int64_t> starts = block_starts(d);
+    // Never a row past d's outputs (which hold T·A rows; d checks its own total the same way).
+    EPCOMM_ASSERT(starts.back() <= lay.capacity(d), ctx.prefix(), "rank ", d, " would receive ",
+                  starts.back(), " rows, above its capacity A = ", lay.capacity(d));
     host_rows += starts.back();
     for (int el = 0; el < lay.local_experts(d); ++el)
       next[d].push_back(starts[static_cast<size_t>(el) * W + me]);
