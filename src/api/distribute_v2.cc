@@ -157,6 +157,7 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
     detail::prepare_dispatch(ep_group, tp_group, a, o, plan);
     set_copy_threads(call, o, plan.in);
     plan.in.counters = &call.ep.group->counters;
+    plan.in.payload_scratch = &call.ep.group->payload_scratch;
   } catch (const Error& e) {
     call.fail_validation(e);
   }

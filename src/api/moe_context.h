@@ -18,7 +18,8 @@ namespace epcomm::moe {
 struct GroupContext : epcomm::detail::CommContext {
   std::mutex call;             // one call in flight per group
   engine::WorkerPool workers;  // copy threads (OpOptions::num_threads), started when a call first needs them
-  engine::CopyCounters counters;  // group_copy_counters
+  engine::CopyCounters counters;         // group_copy_counters
+  std::vector<uint8_t> payload_scratch;  // dispatch_v2: tokens quantized while the headers travel
   // This rank's output arena (one node, num_output_arena_bytes > 0), or null.
   std::shared_ptr<OutputArena> arena() const { return transport ? transport->output_arena() : nullptr; }
   // `user` (default_allocator() when null) behind the arena when there is one.

@@ -157,6 +157,7 @@ struct DispatchV2Call {
   void plan_push();
   void push_rows();
   void push_token(int64_t t, uint8_t* scratch, std::vector<float>& qscratch, bool plain) const;
+  void quantize_ahead(bool& progressed);
   bool pushed_by(int s) const {
     return ctx.cell(me, s)->pushed.load(std::memory_order_acquire) >= pack(seq, 1);
   }
@@ -215,6 +216,12 @@ struct DispatchV2Call {
   std::vector<int32_t> push_smooth;
   std::vector<int64_t> push_first;
   bool push_plain = false;
+  // A sender that may push quantizes its tokens into `ahead` (one payload per token, `ahead_stride` apart)
+  // while it waits for the headers; tokens [0, ahead_done) are ready there.
+  uint8_t* ahead = nullptr;
+  size_t ahead_stride = 0;
+  int64_t ahead_done = 0;
+  std::vector<float> ahead_scratch;
 };
 
 void DispatchV2Call::count_own_rows() {
@@ -280,11 +287,20 @@ void DispatchV2Call::exchange_headers() {
     h.flags |= kPushRows;
   }
   ctx.publish_header();
-  // (A rank that may push stages nothing yet: its windows' geometry depends on whether every rank pushes.)
+  // (A rank that may push stages nothing yet: its windows' geometry depends on whether every rank pushes.
+  // It quantizes its tokens meanwhile, for the push.)
   while (!can_push && sender.staged() < std::min<int64_t>(sender.windows(), 2))
     sender.stage_next([this](int64_t w) { stage(w); });
+  if (can_push && my_payloads == 1 && f.quant_mode != 0 && in.payload_scratch && in.bs > 0) {
+    ahead_stride = align64(f.data_bytes + f.scale_bytes);
+    std::vector<uint8_t>& buf = *in.payload_scratch;
+    buf.resize(std::max(buf.size(), static_cast<size_t>(in.bs) * ahead_stride + kAlign));
+    ahead = buf.data() + (kAlign - reinterpret_cast<uintptr_t>(buf.data()) % kAlign) % kAlign;
+  }
   if (inter)
     ctx.exchange_headers([this](bool& progressed) { sender.send(progressed); });
+  else if (ahead)
+    ctx.exchange_headers([this](bool& progressed) { quantize_ahead(progressed); });
   else
     ctx.exchange_headers();
   check_params(ctx, OpKind::dispatch_v2,
@@ -442,6 +458,17 @@ void DispatchV2Call::push_rows() {
   }
 }
 
+// While the headers travel: the next few of our tokens quantized into `ahead` (a pass stays short, so that
+// arriving headers are seen soon).
+void DispatchV2Call::quantize_ahead(bool& progressed) {
+  const int64_t begin = ahead_done, end = std::min<int64_t>(in.bs, ahead_done + 8);
+  for (; ahead_done < end; ++ahead_done)
+    if (in.active[ahead_done])
+      make_payload(in, ahead_done, 0, ahead + static_cast<size_t>(ahead_done) * ahead_stride, ahead_scratch,
+                   true);
+  progressed = progressed || end > begin;  // (none left: the wait may sleep)
+}
+
 // Token t's payload, made once (once per copy with a smoothing table), written to each of its rows.
 void DispatchV2Call::push_token(int64_t t, uint8_t* scratch, std::vector<float>& qscratch, bool plain) const {
   const int64_t i = push_first[t];
@@ -459,6 +486,7 @@ void DispatchV2Call::push_token(int64_t t, uint8_t* scratch, std::vector<float>&
     return;
   }
   if (f.quant_mode == 0) return put(i, n, in.x + static_cast<size_t>(t) * in.x_row_bytes);
+  if (t < ahead_done) return put(i, n, ahead + static_cast<size_t>(t) * ahead_stride);  // quantized already
   make_payload(in, t, 0, scratch, qscratch, true);
   put(i, n, scratch);
 }

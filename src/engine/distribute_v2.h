@@ -110,6 +110,9 @@ struct DispatchV2Input {
   WorkerPool* workers = nullptr;     // the group's copy threads (null: this thread only)
   int threads = 1;                   // copy threads this call may use (engine/workers.h)
   CopyCounters* counters = nullptr;  // the group's (staged and pushed tokens), or null
+  // Where a pushing sender quantizes its tokens while the headers travel (the group's: its pages stay
+  // between calls), or null.
+  std::vector<uint8_t>* payload_scratch = nullptr;
 };
 
 // Output pointers (caller- or API-allocated, valid for rows [0, T·A)) and what the call learnt.
@@ -150,7 +153,7 @@ struct CombineV2Input {
   // Where `rows` start in this rank's output arena, or -1. When every rank's do (one node, comm_quant_mode
   // 0), the origins read the rows in place (docs/distribute-v2.md, "Output arena").
   int64_t rows_offset = -1;
-  CopyCounters* counters = nullptr;  // the group's (rows copied into windows, rows read in place), or null
+  CopyCounters* counters = nullptr;   // the group's (rows copied into windows, rows read in place), or null
   const int32_t* assist = nullptr;    // 3·n_own
   std::vector<int32_t> ids;           // [bs*K], -1 for an inactive slot
   std::vector<uint8_t> active;        // [bs]
