@@ -126,13 +126,14 @@ struct Call {
   }
 };
 
-// The call's copy threads: the ep group's pool, OpOptions::num_threads of them (0: the class default,
-// resolved as the Buffer's are).
+// What the ep group's context lends a call: its copy threads (OpOptions::num_threads of them; 0: the class
+// default, resolved as the Buffer's are) and its copy counters.
 template <typename In>
-void set_copy_threads(const Call& call, const OpOptions& o, In& in) {
+void use_group(const Call& call, const OpOptions& o, In& in) {
   in.workers = &call.ep.group->workers;
   in.threads = engine::copy_threads(o.num_threads > 0 ? o.num_threads : Buffer::num_threads(),
                                     call.ep.group->transport->size());
+  in.counters = &call.ep.group->counters;
 }
 
 // Allocated expand_x / dynamic_scales were not zeroed: every row the call wrote is valid, the rest are zeros
@@ -155,8 +156,7 @@ DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2A
   detail::DispatchPlan plan;
   try {
     detail::prepare_dispatch(ep_group, tp_group, a, o, plan);
-    set_copy_threads(call, o, plan.in);
-    plan.in.counters = &call.ep.group->counters;
+    use_group(call, o, plan.in);
     plan.in.payload_scratch = &call.ep.group->payload_scratch;
   } catch (const Error& e) {
     call.fail_validation(e);
@@ -194,8 +194,7 @@ void run_combine(Call& call, Group& ep_group, Group* tp_group, const CombineV2Ar
   try {
     detail::prepare_combine(ep_group, tp_group, a, norm, o, plan);
     engine::v2::prepare_combine_v2(plan.in);
-    set_copy_threads(call, o, plan.in);
-    plan.in.counters = &call.ep.group->counters;
+    use_group(call, o, plan.in);
   } catch (const Error& e) {
     call.fail_validation(e);
   }
