@@ -423,6 +423,10 @@ void DispatchV2Call::plan_push() {
     push_scales.push_back(scales[d] ? scales[d] + static_cast<size_t>(row) * f.scale_bytes : nullptr);
     push_smooth.push_back(smooth_row);
   };
+  const size_t most = static_cast<size_t>(in.bs) * static_cast<size_t>(K + lay.Sr);  // rows, at most
+  push_data.reserve(most);
+  push_scales.reserve(most);
+  push_smooth.reserve(most);
   push_first.assign(static_cast<size_t>(in.bs) + 1, 0);
   for (int64_t t = 0; t < in.bs; ++t) {
     push_first[t] = static_cast<int64_t>(push_data.size());
@@ -519,6 +523,9 @@ void DispatchV2Call::stage_token(int64_t t, uint8_t* half, int64_t t0, std::vect
   const uint32_t act = in.active[t];
   std::memcpy(meta + 8 * K, &act, 4);
   if (!act || push) return;  // (push: the routing only)
+  if (t < ahead_done)        // quantized while the headers travel, for a push that not every rank could take
+    return copy_row(rec, ahead + static_cast<size_t>(t) * ahead_stride, f.data_bytes + f.scale_bytes, true,
+                    mine.geo.cache_resident);
   if (my_payloads == 1) return make_payload(in, t, 0, rec, scratch, mine.geo.cache_resident);
   for (int k = 0; k < K; ++k)
     if (ids[k] >= 0)
