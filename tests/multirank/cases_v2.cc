@@ -23,6 +23,26 @@ V2Spec base_spec(int W, uint64_t seed) {
   return s;
 }
 
+// A quantization case: dispatch quant_mode, expand_x dtype, smoothing.
+struct QuantCase {
+  int mode;
+  std::optional<DType> y;
+  V2Spec::Smooth smooth;
+};
+
+// base_spec with that quantization and, on 3 ranks or more with every other seed, one shared-expert rank
+// (2 experts per routed rank, top-3).
+V2Spec quant_spec(int W, uint64_t seed, const QuantCase& m) {
+  V2Spec s = base_spec(W, seed);
+  s.quant_mode = m.mode;
+  s.y_dtype = m.y;
+  s.smooth = m.smooth;
+  s.shared_ranks = W >= 3 && seed % 2 ? 1 : 0;
+  s.E = 2 * (W - s.shared_ranks);
+  s.K = std::min(s.E, 3);
+  return s;
+}
+
 }  // namespace
 
 MR_CASE("v2_ep_round_trip", {}) {
@@ -208,12 +228,7 @@ MR_CASE("v2_quant_modes", {}) {
   // with shared experts), all-zero rows: expand_x and dynamic_scales bit for bit against the quantizers.
   V2Groups g = make_v2_groups(ctx, 0, 512 << 10);
   const int W = ctx.size;
-  struct Mode {
-    int mode;
-    std::optional<DType> y;
-    V2Spec::Smooth smooth;
-  };
-  const Mode modes[] = {
+  const QuantCase modes[] = {
       {1, std::nullopt, V2Spec::Smooth::scalar}, {1, DType::i8, V2Spec::Smooth::vector},
       {1, std::nullopt, V2Spec::Smooth::table},  {2, std::nullopt, V2Spec::Smooth::none},
       {2, DType::f8e4m3, V2Spec::Smooth::table}, {2, DType::f8e5m2, V2Spec::Smooth::none},
@@ -222,14 +237,8 @@ MR_CASE("v2_quant_modes", {}) {
       {2, DType::i8, V2Spec::Smooth::table},
   };
   uint64_t seed = 800;
-  for (const Mode& m : modes) {
-    V2Spec s = base_spec(W, ++seed);
-    s.quant_mode = m.mode;
-    s.y_dtype = m.y;
-    s.smooth = m.smooth;
-    s.shared_ranks = W >= 3 && seed % 2 ? 1 : 0;
-    s.E = 2 * (W - s.shared_ranks);
-    s.K = std::min(s.E, 3);
+  for (const QuantCase& m : modes) {
+    V2Spec s = quant_spec(W, ++seed, m);
     s.H = seed % 3 == 0 ? 300 : (seed % 3 == 1 ? 128 : 40);
     s.bs = 6;
     s.dtype = seed % 2 ? DType::bf16 : DType::f16;
@@ -252,27 +261,16 @@ MR_CASE("v2_push_and_pull", {}) {
   // experts; the copy counters say which path ran.
   V2Groups g = make_v2_groups(ctx, 0, 512 << 10);
   const int W = ctx.size;
-  struct Mode {
-    int mode;
-    std::optional<DType> y;
-    V2Spec::Smooth smooth;
-  };
-  const Mode modes[] = {
+  const QuantCase modes[] = {
       {0, std::nullopt, V2Spec::Smooth::none}, {1, std::nullopt, V2Spec::Smooth::table},
       {2, std::nullopt, V2Spec::Smooth::none}, {2, DType::f8e4m3, V2Spec::Smooth::table},
       {3, std::nullopt, V2Spec::Smooth::none}, {4, DType::f8e5m2, V2Spec::Smooth::none},
   };
   using Place = V2Run::Place;
   uint64_t seed = 900;
-  for (const Mode& m : modes)
+  for (const QuantCase& m : modes)
     for (int variant = 0; variant < 4; ++variant) {
-      V2Spec s = base_spec(W, ++seed);
-      s.quant_mode = m.mode;
-      s.y_dtype = m.y;
-      s.smooth = m.smooth;
-      s.shared_ranks = W >= 3 && seed % 2 ? 1 : 0;
-      s.E = 2 * (W - s.shared_ranks);
-      s.K = std::min(s.E, 3);
+      V2Spec s = quant_spec(W, ++seed, m);
       s.H = seed % 2 ? 256 : 72;  // rows of whole cache lines (streaming stores) and not
       s.bs = 7;
       s.zero_rows = 5;  // tokens 0 and 5 all zeros, the others distinct
