@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from . import _C
-from ._dtypes import torch_dtype
+from ._dtypes import as_format, torch_dtype
 from ._errors import Error, InvalidUsageError
 from .compat import expert_token_nums_prefix_sums
 from .event import EventOverlap
@@ -103,9 +103,7 @@ class _State:
 def _arena_empty(c, shape, name):
     """An uninitialized tensor of epcomm format `name` in the output arena of the operator group `c`
     (moe::output_buffer), viewed as the torch dtype the format comes back as."""
-    t = _C.moe_output_buffer(c, list(shape), name)
-    real = torch_dtype(name)
-    return t if t.dtype == real else t.view(real)
+    return as_format(_C.moe_output_buffer(c, list(shape), name), name)
 
 
 def _prefix(buffer, op):
