@@ -25,9 +25,8 @@ std::atomic<int> g_num_threads{env::num_threads_default()};
 // arena instead (docs/low-latency-ascend.md), which gets that reserve.
 int64_t output_reserve_bytes(const BufferOptions& o) {
   const bool ll_here = o.low_latency_mode && o.flavor != "ascend";
-  return std::max<int64_t>(ll_here ? std::max(o.num_output_reserve_bytes, o.num_rdma_bytes)
-                                   : o.num_output_reserve_bytes,
-                           0);
+  return std::max<int64_t>(
+      ll_here ? std::max(o.num_output_reserve_bytes, o.num_rdma_bytes) : o.num_output_reserve_bytes, 0);
 }
 
 int64_t payload_bytes(const Payload& p) {
@@ -80,6 +79,15 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
     b.allocator = std::make_shared<detail::ArenaAllocator>(a, b.allocator);
   if (reserve > 0 && !b.transport->output_arena()) b.allocator->reserve(static_cast<size_t>(reserve));
   b.start_comm_thread();
+  try {
+    detail::warm_up(*this, options);
+  } catch (...) {  // a peer that failed or vanished during creation: nothing of this Buffer survives
+    destroy();
+    throw;
+  }
+  b.counters.reset();  // the counters and call numbers count the caller's calls only
+  b.seq_shown_base = b.seq;
+  b.internode_base = internode_counters();
   EPCOMM_LOG(info, b.rank, "Buffer: ", b.describe());
 }
 
@@ -126,6 +134,11 @@ Buffer::InternodeCounters Buffer::internode_counters() const {
   NetworkCounters n = impl_->network->counters();
   c.network_bytes = static_cast<int64_t>(n.payload_bytes);
   c.network_writes = static_cast<int64_t>(n.writes);
+  const InternodeCounters& w = impl_->internode_base;  // not the creation's warm-up
+  c.rows -= w.rows;
+  c.row_bytes -= w.row_bytes;
+  c.network_bytes -= w.network_bytes;
+  c.network_writes -= w.network_writes;
   return c;
 }
 
@@ -290,7 +303,7 @@ void Buffer::Impl::enqueue(std::function<void()> task) {
 }
 
 std::string Buffer::Impl::prefix(const char* op, uint64_t s) const {
-  return detail::cat("epcomm[rank ", rank, "] ", op, "#", s, ": ");
+  return detail::cat("epcomm[rank ", rank, "] ", op, "#", s > seq_shown_base ? s - seq_shown_base : 0, ": ");
 }
 
 void Buffer::Impl::check_usable(const char* op) {

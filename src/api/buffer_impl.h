@@ -30,6 +30,7 @@ struct Buffer::Impl : detail::CommContext {
   BufferOptions options;
   std::shared_ptr<Allocator> allocator;
   engine::CopyCounters counters;
+  Buffer::InternodeCounters internode_base;  // what the creation's warm-up sent (api/warm_up.cc)
   engine::WorkerPool workers;  // copy threads (Config::num_threads), started when a call first needs them
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
   bool destroyed = false;
@@ -57,7 +58,9 @@ struct Buffer::Impl : detail::CommContext {
 
 namespace detail {
 struct EventState;
-}
+// The creation's warm-up round trips (api/warm_up.cc; EPCOMM_WARMUP). Collective.
+void warm_up(Buffer& buf, const BufferOptions& options);
+}  // namespace detail
 
 // One collective call's work on the communication thread: moves the data, calls on_shapes() once the
 // outputs exist (before any payload moves), returns the bytes of its outputs (for the debug log).

@@ -190,7 +190,9 @@ void CommContext::close() noexcept {
 }
 
 engine::OpContext CommContext::op_context(uint64_t s, engine::OpKind kind, double timeout) const {
-  return engine::OpContext(*transport, segment.engine, s, kind, timeout, inter.get());
+  engine::OpContext ctx(*transport, segment.engine, s, kind, timeout, inter.get());
+  ctx.number_calls_after(seq_shown_base);
+  return ctx;
 }
 
 uint8_t* CommContext::own_segment() const {

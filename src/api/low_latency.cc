@@ -205,6 +205,13 @@ bool uses_masks(Buffer::Impl& b) {
   return true;
 }
 
+// The context of a call among the live ranks of `view` (rank masks or shrink in use).
+engine::OpContext live_context(const Buffer::Impl& b, ll::MaskView& view, uint64_t seq, engine::OpKind kind) {
+  engine::OpContext sub(view, b.segment.engine, seq, kind, b.timeout_s);
+  sub.number_calls_after(b.seq_shown_base);
+  return sub;
+}
+
 // This rank's validation failed: the live peers' same call raises Aborted quoting `msg`; the Buffer stays
 // usable (launch keeps it so for an Aborted error before data moved).
 [[noreturn]] void fail_among_live(engine::OpContext& sub, engine::OpKind kind, const std::string& msg) {
@@ -233,7 +240,7 @@ bool fail_low_latency_among_live(Buffer::Impl& b, uint64_t s, engine::OpKind kin
                    [&b, kind, msg](engine::OpContext& ctx, const std::function<void()>&) -> int64_t {
                      const ll::LiveSet live = ll::enter_call(b, ctx);
                      ll::MaskView view(*b.transport, live.live);
-                     engine::OpContext sub(view, b.segment.engine, ctx.seq(), kind, b.timeout_s);
+                     engine::OpContext sub = live_context(b, view, ctx.seq(), kind);
                      fail_among_live(sub, kind, msg);
                    });
   st->wait();
@@ -285,8 +292,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
         } else {
           const ll::LiveSet live = ll::enter_call(b, ctx);
           ll::MaskView view(*b.transport, live.live);
-          engine::OpContext sub(view, b.segment.engine, ctx.seq(), engine::OpKind::low_latency_dispatch,
-                                b.timeout_s);
+          engine::OpContext sub = live_context(b, view, ctx.seq(), engine::OpKind::low_latency_dispatch);
           if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_dispatch, msg);
           run_masked_dispatch(b, sub, live, *in, *out, on_shapes);
         }
@@ -381,8 +387,7 @@ std::shared_ptr<detail::EventState> launch_masked_combine(Buffer::Impl& b, uint6
   auto body = [&b, msg, in, out](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
     const ll::LiveSet live = ll::enter_call(b, ctx);
     ll::MaskView view(*b.transport, live.live);
-    engine::OpContext sub(view, b.segment.engine, ctx.seq(), engine::OpKind::low_latency_combine,
-                          b.timeout_s);
+    engine::OpContext sub = live_context(b, view, ctx.seq(), engine::OpKind::low_latency_combine);
     if (!msg.empty()) fail_among_live(sub, engine::OpKind::low_latency_combine, msg);
     if (!same_ranks(live, *in->handle)) {
       ll::combine_among_survivors(b, ctx, live, *in, *out, on_shapes);
@@ -513,8 +518,8 @@ void run_round(Buffer::Impl& b, const char* op, const std::function<void()>& the
                    [&b, then](engine::OpContext& ctx, const std::function<void()>&) {
                      const ll::LiveSet live = ll::enter_call(b, ctx);
                      ll::MaskView view(*b.transport, live.live);
-                     engine::OpContext sub(view, b.segment.engine, ctx.seq(),
-                                           engine::OpKind::low_latency_clean, b.timeout_s);
+                     engine::OpContext sub =
+                         live_context(b, view, ctx.seq(), engine::OpKind::low_latency_clean);
                      sub.begin_header(engine::OpKind::low_latency_clean);
                      sub.publish_header();
                      sub.exchange_headers();

@@ -43,6 +43,9 @@ const Knob kKnobs[] = {
      "what epcomm writes to stderr, one line per event prefixed with the rank: error, warn, info (also how "
      "each Buffer and group context was set up) or debug (also every call: the path it took, bytes, time); "
      "other values are an error; docs/env.md"},
+    {"EPCOMM_WARMUP", "1",
+     "1: a Buffer makes one-token round trips (normal mode; low-latency mode too when enabled) at the end of "
+     "its creation, so that its first call runs like the next; 0: none"},
     {"EPCOMM_ARENA_SETTLE", "1",
      "1: a Buffer with an output reserve passes once over every reserve it may write rows into, through "
      "each of its mappings, when it is created (on some virtual machines the first pass of stores through "
@@ -125,6 +128,13 @@ int combine_sharing() {
   auto v = get("EPCOMM_COMBINE_SHARING");
   if (!v || *v == "auto") return -1;
   EPCOMM_CHECK(*v == "0" || *v == "1", "EPCOMM_COMBINE_SHARING: expected auto, 0 or 1, got '", *v, "'");
+  return *v == "1";
+}
+
+bool warm_up() {
+  auto v = get("EPCOMM_WARMUP");
+  if (!v) return true;
+  EPCOMM_CHECK(*v == "0" || *v == "1", "EPCOMM_WARMUP: expected 0 or 1, got '", *v, "'");
   return *v == "1";
 }
 

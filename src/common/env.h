@@ -37,6 +37,7 @@ int num_threads_default();            // EPCOMM_NUM_THREADS: Config::num_threads
 int64_t parallel_bytes_per_thread();  // EPCOMM_PARALLEL_BYTES: bytes a call moves per copy thread (2 MiB)
 int64_t output_arena_bytes();         // EPCOMM_OUTPUT_ARENA: -1 = auto (default), else bytes (0 = none)
 int combine_sharing();                // EPCOMM_COMBINE_SHARING: -1 = auto (default), 1 = always, 0 = never
+bool warm_up();       // EPCOMM_WARMUP: one-token round trips at a Buffer's creation (default 1)
 bool arena_settle();  // EPCOMM_ARENA_SETTLE: pass over the output reserves at creation (default 1)
 
 }  // namespace epcomm::env

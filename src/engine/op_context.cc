@@ -89,7 +89,7 @@ void OpContext::send_header_to_rails() const {
 
 std::string OpContext::prefix() const {
   if (!label_.empty()) return label_;
-  return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", seq_, ": ");
+  return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", shown(seq_), ": ");
 }
 
 HeaderData& OpContext::begin_header(OpKind op) {
@@ -246,7 +246,7 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
   body << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i)
     body << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #"
-         << last_seq_seen(peers[i]) << ")";
+         << shown(last_seq_seen(peers[i])) << ")";
   if (peers.empty()) body << "(no peer recorded)";
   if (peers.size() == 1) {  // the one peer this rank waits for is the lost one: peers that hear of it name it
     lost_rank_ = peers[0];

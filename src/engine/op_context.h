@@ -26,6 +26,12 @@ struct CopyCounters {
   std::atomic<int64_t> combine_direct_tokens{0};     // own tokens reduced straight from the holders' x
   std::atomic<int64_t> combine_shared_tokens{0};     // other origins' tokens it reduced for them (direct)
   void add(std::atomic<int64_t>& c, int64_t n) { c.fetch_add(n, std::memory_order_relaxed); }
+  void reset() {
+    for (auto* c :
+         {&dispatch_staged_tokens, &dispatch_in_place_tokens, &dispatch_pushed_tokens, &combine_copied_rows,
+          &combine_in_place_rows, &combine_direct_tokens, &combine_shared_tokens})
+      c->store(0, std::memory_order_relaxed);
+  }
 };
 
 class OpContext {
@@ -49,6 +55,10 @@ class OpContext {
     peer_word_ = std::move(peer_word);
   }
   const std::string& peer_word() const { return peer_word_; }
+  // Messages number calls from the caller's first: `base` calls before it were the creation's own
+  // (a Buffer's warm-up), so call `base + n` is shown as #n.
+  void number_calls_after(uint64_t base) { shown_base_ = base; }
+  uint64_t shown(uint64_t seq) const { return seq > shown_base_ ? seq - shown_base_ : 0; }
 
   // Every accessor takes global ranks. A remote rank's words live in its proxy's lane (internode.h).
   Control* control(int r) const {
@@ -209,6 +219,7 @@ class OpContext {
   SegmentLayout layout_;
   int rank_, size_;
   uint64_t seq_;
+  uint64_t shown_base_ = 0;
   OpKind op_;
   Clock::duration timeout_;
   double timeout_s_;

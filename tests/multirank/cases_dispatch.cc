@@ -451,3 +451,49 @@ MR_CASE("dispatch_pressure_repeat", {}) {
     run_round_trip(ctx, i % 2 ? a : b, rt);
   }
 }
+
+MR_CASE("warm_up_at_creation", {}) {
+  // A Buffer ends its creation with one-token round trips (EPCOMM_WARMUP; docs/design.md, "Warm-up"). The
+  // caller sees no trace of them: the copy counters start at zero, the first call is numbered #1 in its
+  // messages, and the first calls return the reference's results (the low_latency_* cases check the first
+  // low-latency calls of their fresh Buffers). EPCOMM_WARMUP=2 (the .invalid variant) is refused at
+  // creation, naming the variable and the value.
+  const char* w = std::getenv("EPCOMM_WARMUP");
+  if (w && std::string(w) == "2") {
+    try {
+      Buffer refused(ctx.group, test_options());
+      REQUIRE(false, "EPCOMM_WARMUP=2 must fail the Buffer's creation");
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      REQUIRE(e.code() == ErrorCode::InvalidUsage && m.find("EPCOMM_WARMUP") != std::string::npos &&
+                  m.find("'2'") != std::string::npos,
+              "got ", error_code_name(e.code()), ": ", m);
+    }
+    return;
+  }
+  BufferOptions o = test_options();
+  o.low_latency_mode = true;
+  Buffer buf(ctx.group, o);
+  const Buffer::CopyCounters c = buf.copy_counters();
+  REQUIRE(c.dispatch_staged_tokens == 0 && c.dispatch_pushed_tokens == 0 && c.dispatch_in_place_tokens == 0 &&
+              c.combine_copied_rows == 0 && c.combine_in_place_rows == 0 && c.combine_direct_tokens == 0 &&
+              c.combine_shared_tokens == 0,
+          "copy counters after creation: staged ", c.dispatch_staged_tokens, " pushed ",
+          c.dispatch_pushed_tokens, " copied rows ", c.combine_copied_rows, " direct ",
+          c.combine_direct_tokens);
+  // The first call fails its validation on every rank (x missing): its message calls it dispatch#1.
+  try {
+    buf.dispatch(DispatchArgs{});
+    REQUIRE(false, "a dispatch without x must fail");
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    REQUIRE(m.find("dispatch#1: ") != std::string::npos, "the first call's message: ", m);
+  }
+  uint64_t seed = 61;
+  for (ReceiveOrder order : kOrders) {
+    RoundTrip rt;
+    rt.spec = spec_for(ctx, seed++, 4, 8, 7168);
+    rt.order = order;
+    run_round_trip(ctx, buf, rt);
+  }
+}
