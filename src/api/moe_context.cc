@@ -53,6 +53,13 @@ void create_context(Group& group, const GroupContextOptions& options) {
       ctx->network ? detail::cat(", rdma lanes ", detail::bytes_str(options.num_rdma_bytes)) : std::string(),
       "; timeout ", ctx->timeout_s, " s");
   group.moe_context() = std::move(ctx);
+  // Across nodes the network counters would count the warm-up, and the first calls there pay more than
+  // page faults anyway: one node only.
+  GroupContext& c = *group.moe_context();
+  if (c.inter) return;
+  epcomm::detail::warm_up_group(group);
+  c.counters.reset();  // counters and call numbers count the caller's calls only
+  c.seq_shown_base = c.seq;
 }
 
 }  // namespace

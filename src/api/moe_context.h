@@ -30,3 +30,8 @@ struct GroupContext : epcomm::detail::CommContext {
 GroupContext& context_of(Group& group);
 
 }  // namespace epcomm::moe
+
+namespace epcomm::detail {
+// The round trips a one-node group context makes when it is created (api/warm_up.cc; EPCOMM_WARMUP).
+void warm_up_group(Group& group);
+}  // namespace epcomm::detail

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "api/buffer_impl.h"
+#include "api/moe_context.h"
 #include "common/env.h"
 #include "common/log.h"
 
@@ -19,20 +20,23 @@ namespace {
 struct WarmUpInputs {
   static constexpr int64_t kHidden = 7168;
   static constexpr int kLocalExperts = 8;
-  int R = 1, E = kLocalExperts, K = 1;
+  int rank = 0, R = 1, E = kLocalExperts, K = 1;
   std::vector<uint16_t> x;
   std::vector<int64_t> ids;
+  std::vector<int32_t> ids32;  // the operators' expert_ids
   std::vector<float> weights;
   std::vector<uint16_t> expert_out;  // the private expert outputs of a combine (rows of zeros)
 
-  WarmUpInputs(int rank, int ranks) : R(ranks), E(ranks * kLocalExperts), K(std::min(8, E)) {
+  WarmUpInputs(int r, int ranks) : rank(r), R(ranks), E(ranks * kLocalExperts), K(std::min(8, E)) {
     x.assign(kHidden, 0);
     // Slot k goes to rank (rank + k) % R, local expert k / R there: distinct experts.
     for (int k = 0; k < K; ++k) ids.push_back(((rank + k) % R) * kLocalExperts + (k / R) % kLocalExperts);
+    ids32.assign(ids.begin(), ids.end());
     weights.assign(K, 1.0f / static_cast<float>(K));
   }
   Tensor token() { return Tensor::wrap(x.data(), DType::bf16, {1, kHidden}); }
   Tensor topk_idx() { return Tensor::wrap(ids.data(), DType::i64, {1, K}); }
+  Tensor expert_ids() { return Tensor::wrap(ids32.data(), DType::i32, {1, K}); }
   Tensor topk_weights() { return Tensor::wrap(weights.data(), DType::f32, {1, K}); }
   // [shape..., kHidden] bf16 zeros (`shape` multiplies to the rows).
   Tensor private_rows(Shape shape) {
@@ -89,21 +93,60 @@ void low_latency_round_trip(Buffer& buf, WarmUpInputs& in) {
   buf.low_latency_combine(c);
 }
 
+// The operator family: dispatch_v2 of one bf16 token (its rows pushed into the receivers' output arenas),
+// combine_v2 of the dispatched rows (read in place there), then of private expert outputs (copied).
+void operators_round_trip(Group& group, WarmUpInputs& in) {
+  moe::DispatchV2Args a;
+  a.x = in.token();
+  a.expert_ids = in.expert_ids();
+  a.ep_world_size = in.R;
+  a.ep_rank_id = in.rank;
+  a.moe_expert_num = in.E;
+  a.shared_expert_num = 0;
+  const moe::DispatchV2Result d = moe::dispatch_v2(group, nullptr, a);
+  moe::CombineV2Args c;
+  c.expand_x = d.expand_x;
+  c.expert_ids = a.expert_ids;
+  c.assist_info_for_combine = d.assist_info_for_combine;
+  c.ep_send_counts = d.ep_recv_counts;
+  c.expert_scales = in.topk_weights();
+  c.ep_world_size = in.R;
+  c.ep_rank_id = in.rank;
+  c.moe_expert_num = in.E;
+  c.shared_expert_num = 0;
+  moe::combine_v2(group, nullptr, c);
+  c.expand_x = in.private_rows({d.expand_x.size(0)});
+  moe::combine_v2(group, nullptr, c);
+}
+
+// Runs `round_trips`; a context too small for the warm-up's token skips them (every rank raises the same
+// InvalidUsage before data moves, and the context stays usable): its first calls warm up instead.
+template <typename F>
+void warm_up_unless_too_small(int rank, const char* what, F&& round_trips) {
+  try {
+    round_trips();
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::InvalidUsage) throw;
+    EPCOMM_LOG(info, rank, what, ": no warm-up: ", e.what());
+  }
+}
+
 }  // namespace
+
+void warm_up_group(Group& group) {
+  if (!env::warm_up()) return;
+  WarmUpInputs in(group.rank(), group.size());
+  warm_up_unless_too_small(group.rank(), "moe group context", [&] { operators_round_trip(group, in); });
+}
 
 void warm_up(Buffer& buf, const BufferOptions& options) {
   if (!env::warm_up()) return;
   WarmUpInputs in(buf.rank(), buf.num_ranks());
-  try {
+  warm_up_unless_too_small(buf.rank(), "Buffer", [&] {
     normal_round_trip(buf, in, ReceiveOrder::expert_major);
     normal_round_trip(buf, in, ReceiveOrder::rank_major);
     if (options.low_latency_mode && options.flavor != "ascend") low_latency_round_trip(buf, in);
-  } catch (const Error& e) {
-    // A Buffer too small for the warm-up's token (every rank raises the same error before data moves; the
-    // Buffer stays usable): its first calls warm up instead. Every other error fails the creation.
-    if (e.code() != ErrorCode::InvalidUsage) throw;
-    EPCOMM_LOG(info, buf.rank(), "Buffer: no warm-up: ", e.what());
-  }
+  });
 }
 
 }  // namespace epcomm::detail

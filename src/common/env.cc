@@ -44,8 +44,9 @@ const Knob kKnobs[] = {
      "each Buffer and group context was set up) or debug (also every call: the path it took, bytes, time); "
      "other values are an error; docs/env.md"},
     {"EPCOMM_WARMUP", "1",
-     "1: a Buffer makes one-token round trips (normal mode; low-latency mode too when enabled) at the end of "
-     "its creation, so that its first call runs like the next; 0: none"},
+     "1: a Buffer (normal mode; low-latency mode too when enabled) and a one-node operator group context "
+     "make one-token round trips at the end of their creation, so that their first call runs like the next; "
+     "0: none; docs/design.md"},
     {"EPCOMM_ARENA_SETTLE", "1",
      "1: a Buffer with an output reserve passes once over every reserve it may write rows into, through "
      "each of its mappings, when it is created (on some virtual machines the first pass of stores through "

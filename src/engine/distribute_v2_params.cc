@@ -68,7 +68,7 @@ void check_params(const OpContext& ctx, OpKind op, const std::vector<int>& field
     const HeaderData* h = ctx.header(r);
     if (h->op != static_cast<uint32_t>(op)) {
       report += detail::cat(report.empty() ? "" : "; ", ctx.peer_word(), " ", r, " is in ",
-                            op_kind_name(static_cast<OpKind>(h->op)), "#", ctx.seq(), " (ours ",
+                            op_kind_name(static_cast<OpKind>(h->op)), "#", ctx.shown(ctx.seq()), " (ours ",
                             op_kind_name(op), ")");
       continue;
     }

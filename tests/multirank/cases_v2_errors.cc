@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
+#include "api/moe_context.h"
 #include "multirank/round_trip.h"
 #include "multirank/v2_harness.h"
 #include "support/check.h"
@@ -898,4 +900,35 @@ MR_CASE("v2_shuffled_timing", {}) {
     run.rms_norm = it % 2 == 1;
     run_v2(g, run);
   }
+}
+
+MR_CASE("v2_warm_up_at_creation", {}) {
+  // A one-node group context ends its creation with a dispatch_v2 and two combine_v2 of one token
+  // (EPCOMM_WARMUP; docs/design.md, "Warm-up"). In the .small variant (a 139264-byte segment) the last of
+  // them, the combine of private expert outputs, raises InvalidUsage (capacity) on every rank: the warm-up
+  // stops there and the context is created all the same. Either way the caller sees no trace: the copy
+  // counters start at zero, the first call is numbered #1 in its messages, and the calls after it are the
+  // reference's.
+  const char* small_bytes = std::getenv("EPCOMM_TEST_SMALL_SEGMENT");
+  V2Groups g = make_v2_groups(ctx, 0, small_bytes ? std::atoll(small_bytes) : 16 << 20, 30);
+  const moe::GroupContext& c = *g.ep->moe_context();
+  if (!c.inter)
+    REQUIRE(c.seq_shown_base == 3u, "calls made at creation: ", c.seq_shown_base,
+            " (expected dispatch_v2 and two combine_v2)");
+  const moe::GroupCopyCounters n = moe::group_copy_counters(*g.ep);
+  REQUIRE(n.dispatch_staged_tokens == 0 && n.dispatch_pushed_tokens == 0 && n.combine_copied_rows == 0 &&
+              n.combine_in_place_rows == 0,
+          "copy counters after creation: staged ", n.dispatch_staged_tokens, " pushed ",
+          n.dispatch_pushed_tokens, " copied rows ", n.combine_copied_rows, " in place ",
+          n.combine_in_place_rows);
+  V2Problem P = make_v2_problem(small_spec(ctx.size));
+  moe::DispatchV2Args a = dispatch_args(P, ctx.rank, 0);
+  std::vector<int32_t> bad(static_cast<size_t>(a.expert_ids.numel()), 12345);
+  a.expert_ids = Tensor::wrap(bad.data(), DType::i32, a.expert_ids.shape());
+  const std::string first = epcomm::detail::cat("epcomm[ep ", ctx.rank, "] dispatch_v2#1: ");
+  expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a); }, ErrorCode::InvalidUsage,
+               {first.c_str(), "expert id 12345"});
+  V2Run run;
+  run.spec = small_spec(ctx.size);
+  run_v2(g, run, "after creation: ");
 }
