@@ -80,7 +80,9 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   if (reserve > 0 && !b.transport->output_arena()) b.allocator->reserve(static_cast<size_t>(reserve));
   b.start_comm_thread();
   try {
+    b.warming_up = true;
     detail::warm_up(*this, options);
+    b.warming_up = false;
   } catch (...) {  // a peer that failed or vanished during creation: nothing of this Buffer survives
     destroy();
     throw;
@@ -303,7 +305,8 @@ void Buffer::Impl::enqueue(std::function<void()> task) {
 }
 
 std::string Buffer::Impl::prefix(const char* op, uint64_t s) const {
-  return detail::cat("epcomm[rank ", rank, "] ", op, "#", s > seq_shown_base ? s - seq_shown_base : 0, ": ");
+  return detail::cat("epcomm[rank ", rank, "] ", op, "#", s > seq_shown_base ? s - seq_shown_base : 0,
+                     warming_up ? " (warm-up)" : "", ": ");
 }
 
 void Buffer::Impl::check_usable(const char* op) {

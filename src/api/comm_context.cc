@@ -192,6 +192,7 @@ void CommContext::close() noexcept {
 engine::OpContext CommContext::op_context(uint64_t s, engine::OpKind kind, double timeout) const {
   engine::OpContext ctx(*transport, segment.engine, s, kind, timeout, inter.get());
   ctx.number_calls_after(seq_shown_base);
+  if (warming_up) ctx.mark_warm_up();
   return ctx;
 }
 

@@ -54,6 +54,7 @@ struct CommContext {
   std::unique_ptr<Network> network;           // across nodes only: to the rail peers on the other nodes
   uint64_t seq = 0;                           // last sequence number issued
   uint64_t seq_shown_base = 0;                // calls made by the creation itself (messages count after)
+  bool warming_up = false;                    // the creation's warm-up calls are running (api/warm_up.cc)
 
   CommContext() = default;
   CommContext(const CommContext&) = delete;

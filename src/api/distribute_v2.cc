@@ -33,9 +33,11 @@ struct Stage {
   explicit operator bool() const { return ctx != nullptr; }
 };
 
-std::string label(const char* op, uint64_t seq, int ep, int tp, bool with_tp) {
-  if (with_tp) return epcomm::detail::cat("epcomm[ep ", ep, " tp ", tp, "] ", op, "#", seq, ": ");
-  return epcomm::detail::cat("epcomm[ep ", ep, "] ", op, "#", seq, ": ");
+// "epcomm[ep e] op#n: " (with " tp t" for a TP pair, " (warm-up)" for the context's creation calls).
+std::string label(const char* op, uint64_t seq, int ep, int tp, bool with_tp, bool warm_up) {
+  const std::string tp_part = with_tp ? epcomm::detail::cat(" tp ", tp) : std::string();
+  return epcomm::detail::cat("epcomm[ep ", ep, tp_part, "] ", op, "#", seq, warm_up ? " (warm-up)" : "",
+                             ": ");
 }
 
 // Everything one call needs to hold: both groups' contexts, locked, with their sequence numbers taken.
@@ -54,7 +56,8 @@ struct Call {
     ep_lock = std::unique_lock<std::mutex>(eg.call);
     if (tg) tp_lock = std::unique_lock<std::mutex>(tg->call);
     const uint64_t seq = ++eg.seq;
-    prefix = label(op, seq - eg.seq_shown_base, ep_group.rank(), with_tp ? tp_group->rank() : 0, with_tp);
+    prefix = label(op, seq - eg.seq_shown_base, ep_group.rank(), with_tp ? tp_group->rank() : 0, with_tp,
+                   eg.warming_up);
     const double t = timeout ? std::chrono::duration<double>(*timeout).count() : eg.timeout_s;
     const double tt = t > 0 ? t : eg.timeout_s;
     // A failed group is not used again (its peers see its failure notice); the other group gets a failed

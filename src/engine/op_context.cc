@@ -89,7 +89,8 @@ void OpContext::send_header_to_rails() const {
 
 std::string OpContext::prefix() const {
   if (!label_.empty()) return label_;
-  return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", shown(seq_), ": ");
+  return detail::cat("epcomm[rank ", rank_, "] ", op_kind_name(op_), "#", shown(seq_),
+                     warm_up_ ? " (warm-up)" : "", ": ");
 }
 
 HeaderData& OpContext::begin_header(OpKind op) {

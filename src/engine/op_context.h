@@ -58,6 +58,8 @@ class OpContext {
   // Messages number calls from the caller's first: `base` calls before it were the creation's own
   // (a Buffer's warm-up), so call `base + n` is shown as #n.
   void number_calls_after(uint64_t base) { shown_base_ = base; }
+  // A call of the creation's warm-up: its messages (and debug lines) say so after the call's number.
+  void mark_warm_up() { warm_up_ = true; }
   uint64_t shown(uint64_t seq) const { return seq > shown_base_ ? seq - shown_base_ : 0; }
 
   // Every accessor takes global ranks. A remote rank's words live in its proxy's lane (internode.h).
@@ -220,6 +222,7 @@ class OpContext {
   int rank_, size_;
   uint64_t seq_;
   uint64_t shown_base_ = 0;
+  bool warm_up_ = false;
   OpKind op_;
   Clock::duration timeout_;
   double timeout_s_;
