@@ -206,7 +206,10 @@ int bench_rank_v2(const V2BenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   c.shared_expert_num = a.shared_expert_num;
   c.shared_expert_rank_num = o.shared_ranks;
   c.comm_quant_mode = o.comm_quant;
+  // The caller's output buffer, reused by every call as a serving loop reuses it: its first-touch page
+  // faults belong to its allocation, not to the first combine_v2 (first_iter_ratio).
   c.x_out = empty(o.dtype, {T, H});
+  std::memset(c.x_out->data(), 0, c.x_out->nbytes());
 
   // The byte formula of --help, per operation (dispatch, combine): what each rank's calls count.
   const int64_t selections = T * K;
