@@ -80,15 +80,12 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   if (reserve > 0 && !b.transport->output_arena()) b.allocator->reserve(static_cast<size_t>(reserve));
   b.start_comm_thread();
   try {
-    b.warming_up = true;
-    detail::warm_up(*this, options);
-    b.warming_up = false;
+    b.run_warm_up([&] { detail::warm_up(*this, options); });
   } catch (...) {  // a peer that failed or vanished during creation: nothing of this Buffer survives
     destroy();
     throw;
   }
-  b.counters.reset();  // the counters and call numbers count the caller's calls only
-  b.seq_shown_base = b.seq;
+  b.counters.reset();  // the counters count the caller's calls only
   b.internode_base = internode_counters();
   EPCOMM_LOG(info, b.rank, "Buffer: ", b.describe());
 }
@@ -305,8 +302,7 @@ void Buffer::Impl::enqueue(std::function<void()> task) {
 }
 
 std::string Buffer::Impl::prefix(const char* op, uint64_t s) const {
-  return detail::cat("epcomm[rank ", rank, "] ", op, "#", s > seq_shown_base ? s - seq_shown_base : 0,
-                     warming_up ? " (warm-up)" : "", ": ");
+  return detail::cat("epcomm[rank ", rank, "] ", op, "#", shown_seq(s), warming_up ? " (warm-up)" : "", ": ");
 }
 
 void Buffer::Impl::check_usable(const char* op) {

@@ -191,9 +191,23 @@ void CommContext::close() noexcept {
 
 engine::OpContext CommContext::op_context(uint64_t s, engine::OpKind kind, double timeout) const {
   engine::OpContext ctx(*transport, segment.engine, s, kind, timeout, inter.get());
+  name_call(ctx);
+  return ctx;
+}
+
+void CommContext::name_call(engine::OpContext& ctx) const {
   ctx.number_calls_after(seq_shown_base);
   if (warming_up) ctx.mark_warm_up();
-  return ctx;
+}
+
+void CommContext::run_warm_up(const std::function<void()>& calls) {
+  struct Marked {  // until the calls end or throw
+    bool& on;
+    explicit Marked(bool& flag) : on(flag) { on = true; }
+    ~Marked() { on = false; }
+  } marked(warming_up);
+  calls();
+  seq_shown_base = seq;
 }
 
 uint8_t* CommContext::own_segment() const {

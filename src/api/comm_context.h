@@ -69,6 +69,13 @@ struct CommContext {
 
   // The engine's view of one call on this context.
   engine::OpContext op_context(uint64_t s, engine::OpKind kind, double timeout) const;
+  // Numbers `ctx`'s messages from the caller's first call, and marks a warm-up call as one.
+  void name_call(engine::OpContext& ctx) const;
+  // Call `s` as messages show it: counted from the caller's first call.
+  uint64_t shown_seq(uint64_t s) const { return s > seq_shown_base ? s - seq_shown_base : 0; }
+  // Runs the creation's warm-up calls (api/warm_up.cc): they are marked "(warm-up)" in messages while they
+  // run, and the caller's calls are numbered from #1 after them.
+  void run_warm_up(const std::function<void()>& calls);
   uint8_t* own_segment() const;
   std::string failed() const;
   void mark_failed(const std::string& message);

@@ -56,8 +56,8 @@ struct Call {
     ep_lock = std::unique_lock<std::mutex>(eg.call);
     if (tg) tp_lock = std::unique_lock<std::mutex>(tg->call);
     const uint64_t seq = ++eg.seq;
-    prefix = label(op, seq - eg.seq_shown_base, ep_group.rank(), with_tp ? tp_group->rank() : 0, with_tp,
-                   eg.warming_up);
+    prefix =
+        label(op, eg.shown_seq(seq), ep_group.rank(), with_tp ? tp_group->rank() : 0, with_tp, eg.warming_up);
     const double t = timeout ? std::chrono::duration<double>(*timeout).count() : eg.timeout_s;
     const double tt = t > 0 ? t : eg.timeout_s;
     // A failed group is not used again (its peers see its failure notice); the other group gets a failed
@@ -69,7 +69,7 @@ struct Call {
       ep.group = &eg;
       ep.ctx = std::make_unique<OpContext>(*eg.transport, eg.segment.engine, seq, k, tt, eg.inter.get());
       ep.ctx->set_naming(prefix, "ep rank");
-      ep.ctx->number_calls_after(eg.seq_shown_base);
+      eg.name_call(*ep.ctx);
     }
     ErrorCode refused_code = ErrorCode::Aborted;
     if (tg) {
@@ -84,9 +84,8 @@ struct Call {
       } else {
         tp.group = tg;
         tp.ctx = std::make_unique<OpContext>(*tg->transport, tg->segment.engine, tseq, k, tt);
-        tp.ctx->set_naming(epcomm::detail::cat(prefix, "tp pair #", tseq - tg->seq_shown_base, ": "),
-                           "tp rank");
-        tp.ctx->number_calls_after(tg->seq_shown_base);
+        tp.ctx->set_naming(epcomm::detail::cat(prefix, "tp pair #", tg->shown_seq(tseq), ": "), "tp rank");
+        tg->name_call(*tp.ctx);
       }
     }
     if (!refused.empty()) fail_validation(Error(refused_code, refused));

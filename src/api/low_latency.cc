@@ -208,8 +208,7 @@ bool uses_masks(Buffer::Impl& b) {
 // The context of a call among the live ranks of `view` (rank masks or shrink in use).
 engine::OpContext live_context(const Buffer::Impl& b, ll::MaskView& view, uint64_t seq, engine::OpKind kind) {
   engine::OpContext sub(view, b.segment.engine, seq, kind, b.timeout_s);
-  sub.number_calls_after(b.seq_shown_base);
-  if (b.warming_up) sub.mark_warm_up();
+  b.name_call(sub);
   return sub;
 }
 

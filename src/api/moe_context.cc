@@ -57,17 +57,8 @@ void create_context(Group& group, const GroupContextOptions& options) {
   // page faults anyway: one node only.
   GroupContext& c = *group.moe_context();
   if (c.inter) return;
-  struct Marked {  // the warm-up's calls say so in their messages, until it ends (or throws)
-    GroupContext& c;
-    explicit Marked(GroupContext& g) : c(g) { c.warming_up = true; }
-    ~Marked() { c.warming_up = false; }
-  };
-  {
-    Marked marked(c);
-    epcomm::detail::warm_up_group(group);
-  }
-  c.counters.reset();  // counters and call numbers count the caller's calls only
-  c.seq_shown_base = c.seq;
+  c.run_warm_up([&] { epcomm::detail::warm_up_group(group); });
+  c.counters.reset();  // the counters count the caller's calls only
 }
 
 }  // namespace
