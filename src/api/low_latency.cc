@@ -283,9 +283,14 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   const bool async = a.async_finish || a.return_recv_hook;
   auto state = std::make_shared<detail::EventState>();
   if (a.return_recv_hook && !verr) in->on_sent = [state] { state->rows_sent(); };
+  // On one node a hooked dispatch's sending is its work (the rows are written into the receivers' recv_x),
+  // and once it is sent the rows of the others are all but in: it runs like a synchronous call (on this
+  // thread when the communication thread is idle) and hook() finds it complete. Across nodes the network
+  // part runs on the communication thread after the call returned.
+  const bool hooked_inline = a.return_recv_hook && b.num_nodes == 1;
   auto st = launch(
       b, s, engine::OpKind::low_latency_dispatch, std::nullopt, masks ? std::string() : msg,
-      !async || verr.has_value(),
+      !async || hooked_inline || verr.has_value(),
       [&b, masks, msg, in, out, o](engine::OpContext& ctx, const std::function<void()>& on_shapes) {
         if (!masks) {
           engine::run_dispatch(ctx, *in, *out, on_shapes);
