@@ -209,12 +209,13 @@ def _wrapped(pre, note, fn):
     return run
 
 
-def _launch(st, run, async_finish, return_recv_hook):
+def _launch(st, run, async_finish, return_recv_hook, hook_runs_here=False):
     """(event, hook) of a prepared call: queued on the worker with return_recv_hook, else run here in order.
     async_finish completes the call before returning, as the Ascend port does (its kernels run on the
     current stream and its event is empty, so its callers read the results without waiting): the event
-    returned is complete."""
-    if return_recv_hook:
+    returned is complete. hook_runs_here: a hooked call that runs here too (a dispatch on one node, whose
+    sending, the rows written into the receivers' memory, is its whole work); its hook is then done."""
+    if return_recv_hook and not hook_runs_here:
         fut = st.submit(run)
         return EventOverlap(), RecvHook(fut.result)
     st.drain()
@@ -405,7 +406,7 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                 n = torch.diff(n, prepend=n.new_zeros(1))
             stats += n.to(stats.dtype)
 
-    event, hook = _launch(st, _wrapped(pre, p["note"], call), *p["flags"])
+    event, hook = _launch(st, _wrapped(pre, p["note"], call), *p["flags"], hook_runs_here=buffer.num_nodes == 1)
     return p["recv_x"], p["token_nums"], p["handle"], event, hook
 
 

@@ -247,11 +247,13 @@ def _hooks_body(rank, world):
         rows, _, _ = ref.rows_of(rank, p[1], E, world)
         return combine_input(rows, p[3], A, H)
 
-    # Two dispatches in flight, hooks called in reverse order, each twice; a normal-mode round trip while the
-    # LL calls are queued; cumulative stats.
+    # Two dispatches whose hooks are called in reverse order, each twice; a normal-mode round trip between the
+    # dispatches and their hooks; cumulative stats. On one node a hooked dispatch runs in the call: its hook is
+    # done on return (docs/low-latency-ascend.md).
     stats = torch.zeros(L, dtype=torch.int32)
     o1 = dispatch(p1, return_recv_hook=True, cumulative_local_expert_recv_stats=stats)
     o2 = dispatch(p2, return_recv_hook=True, cumulative_local_expert_recv_stats=stats)
+    assert "complete=True" in repr(o1[4]) and "complete=True" in repr(o2[4]), (o1[4], o2[4])
     normal_handle = _normal_round_trip(buf, rank, world, E, H)
     o2[4]()
     o2[4]()
@@ -293,7 +295,7 @@ def _hooks_body(rank, world):
     # Every rank's combine buffer lies in its output arena: no row was copied into a window.
     after = _C.moe_group_copy_counters(buf._ll_ascend_state.c)
     assert after["combine_copied_rows"] == before["combine_copied_rows"], (before, after)
-    # A sync call after queued ones keeps the order; results of earlier calls stay valid.
+    # Hooked calls and sync ones keep the order; results of earlier calls stay valid.
     o4 = dispatch(p2, return_recv_hook=True)
     o5 = dispatch(p1)
     check(o5, p1)
@@ -467,13 +469,12 @@ def _errors_body(rank, world):
     _expect(rank, None, "even hidden", lambda: buf.low_latency_dispatch(torch.zeros(x.shape[0], 33).bfloat16(), idx,
                                                                          T_max, E, quant_mode="mx_fp4_e2m1"))
     good()
-    # An error found by the queued call itself (T_max differs across ranks) is raised by its hook, every time;
-    # then a late argument error on one rank while a hooked dispatch is queued: the order holds.
+    # An error found by the call itself (T_max differs across ranks): a hooked dispatch on one node runs in the
+    # call, which raises it (as the deepep flavor's does); then a late argument error on one rank after a
+    # hooked dispatch: the order holds.
     bad_t = T_max + (rank == 1)
-    o = buf.low_latency_dispatch(x, idx, bad_t, E, use_fp8=False, return_recv_hook=True)
-    for _ in range(2):
-        with pytest.raises(epcomm.InvalidUsageError, match="num_max_dispatch_tokens_per_rank"):
-            o[4]()
+    with pytest.raises(epcomm.InvalidUsageError, match="num_max_dispatch_tokens_per_rank"):
+        buf.low_latency_dispatch(x, idx, bad_t, E, use_fp8=False, return_recv_hook=True)
     # async_finish completes the call before returning (the Ascend port's behaviour): the error is raised here.
     with pytest.raises(epcomm.InvalidUsageError, match="global_bs"):
         buf.low_latency_dispatch(x, idx, bad_t, E, use_fp8=False, async_finish=True)
