@@ -1,6 +1,8 @@
 """A decode loop over low-latency mode, driven the way an SGLang-style server does it: two micro-batches in
-flight, each call returning at once with a receive hook, so that one micro-batch's experts run while the
-other's tokens travel. Every step is checked against the same MoE layer run densely.
+flight, each call returning with a receive hook. A dispatch returns once its rows are sent (on one node that
+is written into the receivers' memory, the dispatch's whole work; across nodes the transfer goes on after it
+returned), a combine returns at once and runs on the Buffer's communication thread while the next
+micro-batch's experts run. Every step is checked against the same MoE layer run densely.
 
     PYTHONPATH=build/python python3 examples/python/decode_loop.py                  # 2 local processes
     PYTHONPATH=build/python torchrun --nproc-per-node 4 examples/python/decode_loop.py
@@ -34,14 +36,14 @@ def run_experts(experts, recv_x, recv_count, out):
 
 
 def decode_step(buffer, router, experts, batches, t_max, num_experts, zero_copy):
-    """One step for every micro-batch: dispatches issued together, each batch's experts while the other's
-    rows travel, combines overlapped the same way. Returns the outputs and the routing of each batch."""
+    """One step for every micro-batch: dispatches issued together, each batch's experts, combines overlapped
+    with the next batch's experts. Returns the outputs and the routing of each batch."""
     routed = [router(x) for x in batches]
     sent = [buffer.low_latency_dispatch(x, ids, t_max, num_experts, use_fp8=False, return_recv_hook=True)
             for x, (ids, _) in zip(batches, routed)]
     combines = []
     for (recv_x, recv_count, handle, _, hook), (ids, weights) in zip(sent, routed):
-        hook()  # this micro-batch's rows are in; the next one's may still be travelling
+        hook()  # this micro-batch's rows are in (across nodes, the next one's may still be travelling)
         y = buffer.get_next_low_latency_combine_buffer(handle) if zero_copy else torch.empty_like(recv_x)
         run_experts(experts, recv_x, recv_count, y)
         combines.append(buffer.low_latency_combine(y, ids, weights, handle, zero_copy=zero_copy,
