@@ -48,9 +48,10 @@ struct BufferOptions {
   // the reserve is at least num_rdma_bytes (one node): the size hint of get_low_latency_rdma_size_hint holds
   // two calls' outputs, so the first low-latency call is as fast as the next.
   int64_t num_output_reserve_bytes = 0;
-  // Address space of this rank's output arena (one node): a shared-memory range, mapped by every peer, that
-  // the outputs are carved from (and handed to the allocator through Allocator::adopt), so that a dispatch
-  // sender writes each row once, straight into its place in the receiver's recv_x, with nothing staged.
+  // Address space of this rank's output arena: a shared-memory range, mapped by every peer on its node, that
+  // the outputs are carved from (and handed to the allocator through Allocator::adopt), so that on one node
+  // a dispatch sender writes each row once, straight into its place in the receiver's recv_x, with nothing
+  // staged, and a combine of rows in the arena is read in place (across nodes, by the ranks of its node).
   // Pages exist only where outputs were written; freed outputs keep theirs for the next call (up to 4 GiB).
   // -1 = auto: env EPCOMM_OUTPUT_ARENA, else the host's physical memory; 0 = none (outputs come from the
   // allocator and dispatch copies every row through the segment). Output memory reserved with

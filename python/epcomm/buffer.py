@@ -177,8 +177,9 @@ class Buffer:
     @property
     def num_output_arena_bytes(self):
         """Address space of this rank's output arena (docs/normal-mode.md, "Output arena"), 0 when it has none
-        (EPCOMM_OUTPUT_ARENA=0, several nodes, DEEP_USE_MODE=alltoall): with an arena, dispatch pushes its
-        rows into the receivers' outputs and combines of those rows read them in place."""
+        (EPCOMM_OUTPUT_ARENA=0, DEEP_USE_MODE=alltoall): with an arena, dispatch pushes its rows into the
+        receivers' outputs (one node) and combines of those rows read them in place (across nodes, within each
+        node)."""
         if isinstance(self._impl, AllToAllStrategy):
             return 0
         return self._impl.num_output_arena_bytes

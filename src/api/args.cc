@@ -13,10 +13,10 @@
 
 namespace epcomm {
 
-// Where t's bytes start in this rank's output arena (one node, an arena, t non-empty and inside it), or -1:
-// peers of a combine can then read it in place.
+// Where t's bytes start in this rank's output arena (an arena, t non-empty and inside it), or -1: the peers
+// of a combine on this rank's node can then read it in place.
 int64_t arena_offset(const Buffer::Impl& b, const Tensor& t) {
-  if (b.inter || t.nbytes() == 0) return -1;
+  if (t.nbytes() == 0) return -1;
   const auto arena = b.transport->output_arena();
   return arena ? arena->offset_of(t.data(), t.nbytes()) : -1;
 }
@@ -516,8 +516,9 @@ void prepare_combine(const Buffer::Impl& b, const CombineArgs& a, engine::Combin
   in.x = x.data_as<uint8_t>();
   in.keep.push_back(x);
   // x in this rank's shared combine-input area, or in its output arena (an output of this Buffer, e.g. the
-  // dispatched recv_x itself): the origins read its rows in place (one node only).
-  if (b.input_bytes() > 0 && !b.inter && x.nbytes() > 0) {
+  // dispatched recv_x itself): the ranks of this node that reduce its rows (the origins, or across nodes the
+  // proxies of remote origins) read them in place.
+  if (b.input_bytes() > 0 && x.nbytes() > 0) {
     const uint8_t* area = b.input_area();
     if (in.x >= area && in.x + x.nbytes() <= area + b.input_bytes())
       in.shared_offset = static_cast<int64_t>(b.segment.combine_input_offset) + (in.x - area);

@@ -67,9 +67,10 @@ Buffer::Buffer(std::shared_ptr<Group> group, const BufferOptions& options) : imp
   req.timeout_s = options.timeout_s ? *options.timeout_s : env::timeout_s();
   req.combine_input_bytes = options.num_combine_input_bytes;
   req.dispatch_input_bytes = options.num_dispatch_input_bytes;
-  // One node: every rank gets an output arena (the reserve is carved from it and mapped by the peers).
+  // Every rank gets an output arena (the reserve is carved from it and mapped by the peers of its node).
   const int64_t reserve = output_reserve_bytes(options);
   req.arena = {detail::arena_bytes_for(options.num_output_arena_bytes), static_cast<size_t>(reserve)};
+  req.arena_across_nodes = true;
   req.agree = {{"num_combine_input_bytes", options.num_combine_input_bytes},
                {"num_dispatch_input_bytes", options.num_dispatch_input_bytes},
                {"low_latency_mode", options.low_latency_mode}};

@@ -137,7 +137,8 @@ void CommContext::open(Group& group, const CommRequest& req) {
 }
 
 // Across nodes (docs/normal-mode.md): equal node sizes, a shared-memory transport over this node's ranks
-// whose segments also hold one lane per node, and the network to this rank's rail peers.
+// whose segments also hold one lane per node (and, for Buffers, whose output arenas this node's ranks map),
+// and the network to this rank's rail peers.
 void CommContext::connect_nodes(Group& group, const CommRequest& req) {
   const std::string& pre = req.pre;
   inter = std::make_unique<engine::Internode>();
@@ -164,7 +165,8 @@ void CommContext::connect_nodes(Group& group, const CommRequest& req) {
   // Virtual nodes share this host's cores: waiters may spin only if every rank *on the host* has a core.
   const int host_ranks = static_cast<int>(
       std::count(group.hosts().begin(), group.hosts().end(), group.hosts()[static_cast<size_t>(rank)]));
-  transport = make_shm_transport(*node_bootstrap, segment.total, group.next_instance(), host_ranks);
+  transport = make_shm_transport(*node_bootstrap, segment.total, group.next_instance(), host_ranks,
+                                 req.arena_across_nodes ? req.arena : ArenaRequest{});
 
   NetworkOptions no;
   for (int n = 0; n < M; ++n)

@@ -33,7 +33,9 @@ struct CommRequest {
   double timeout_s = 100;
   std::string peer_word = "rank";  // names peers in network errors ("ep rank" for group contexts)
   int64_t combine_input_bytes = 0, dispatch_input_bytes = 0;
-  ArenaRequest arena;  // one node only: the output arenas (none across nodes)
+  ArenaRequest arena;  // the output arenas: on one node, and across nodes when arena_across_nodes is set
+  // Across nodes too (Buffers): each rank's output arena, mapped by the ranks of its node.
+  bool arena_across_nodes = false;
   // More values every rank must agree on, compared with the sizes above in one exchange (mismatch errors
   // name each rank's value): integers, then strings.
   std::vector<std::pair<const char*, int64_t>> agree;

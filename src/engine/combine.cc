@@ -149,8 +149,10 @@ void CombineCall::fill_header() {
   h.expert_alignment = hd_.expert_alignment;
   h.handle_id = hd_.seq;
   std::copy(std::begin(in_.chunks), std::end(in_.chunks), h.chunks);
-  h.input_offset = inter_ ? -1 : in_.shared_offset;  // across nodes copies always travel
-  if (!inter_ && in_.shared_offset >= 0 && in_.shared_in_arena) h.flags |= kInputInArena;
+  // Shared x: the ranks of our node that reduce our rows (origins, and across nodes the proxies of remote
+  // origins) read them in place; rows still cross the network only inside partials.
+  h.input_offset = in_.shared_offset;
+  if (in_.shared_offset >= 0 && in_.shared_in_arena) h.flags |= kInputInArena;
   // A rank without rows has nothing to lend, wherever its (empty) x and weights lie.
   const bool no_rows = hd_.num_rows == 0;
   if (!inter_ && hd_.pushed && !in_.cost_stats && (in_.shared_offset >= 0 || no_rows) &&
@@ -261,7 +263,7 @@ void CombineCall::set_up_windows() {
   weights_off_ = static_cast<size_t>(W_) * slots_ * geo_.row_stride;
   cx_ = out_.combined_x.data_as<uint8_t>();
   cw_ = out_.combined_topk_weights ? out_.combined_topk_weights->data_as<float>() : nullptr;
-  hier_.emplace(ctx_, in_, hd_, geo_, cl_, halves_, lane_stride_, cx_, cw_);
+  hier_.emplace(ctx_, in_, hd_, geo_, cl_, halves_, lane_stride_, cx_, cw_, shared_x_);
 }
 
 // Contributor: write the copies of origin s's tokens in window w into s's slots, split over the call's copy
@@ -308,13 +310,20 @@ void CombineCall::fill_copy(int s, int64_t w, int64_t t0, uint8_t* area, int32_t
   }
 }
 
-// The copy of slot `slot` of token t in window w: our own expert output in place, or a peer's in the window;
-// with its receiving-side weights (rank_major). The internode reduction's view (no shared rows there).
+// The copy of slot `slot` of token t in window w: our own expert output in place, a peer's shared row whose
+// index the slot holds, or a peer's copy in the window; with its receiving-side weights (rank_major). The
+// internode reduction's view (only holders of our node write into our window).
 std::pair<const uint8_t*, const float*> CombineCall::reduce_copy_of(int64_t w, int64_t t, int slot) const {
   const uint8_t* win = my_area_ + static_cast<size_t>(w % halves_) * area_bytes_;
   const size_t idx = static_cast<size_t>(t - w * W_) * slots_ + slot;
   const size_t l = local_index(w, idx);
   const uint8_t* row = local_rows_[l] ? local_rows_[l] : win + idx * geo_.row_stride;
+  if (!local_rows_[l])
+    if (const uint8_t* sx = shared_x_[holder_of(t, slot)]) {
+      int64_t r;
+      std::memcpy(&r, row, sizeof(r));
+      row = sx + r * static_cast<int64_t>(row_bytes_);
+    }
   const float* g = local_weights_[l]
                        ? local_weights_[l]
                        : reinterpret_cast<const float*>(win + weights_off_ + idx * geo_.weight_stride);

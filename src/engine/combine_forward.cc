@@ -25,7 +25,8 @@ CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t 
 }
 
 Hierarchy::Hierarchy(OpContext& ctx, const CombineInput& in, const HandleData& hd, const CombineGeometry& geo,
-                     const CombineLane& cl, int64_t halves, size_t lane_stride, uint8_t* cx, float* cw)
+                     const CombineLane& cl, int64_t halves, size_t lane_stride, uint8_t* cx, float* cw,
+                     const std::vector<const uint8_t*>& shared_x)
     : ctx_(ctx),
       in_(in),
       hd_(hd),
@@ -35,7 +36,9 @@ Hierarchy::Hierarchy(OpContext& ctx, const CombineInput& in, const HandleData& h
       lane_stride_(lane_stride),
       cx_(cx),
       cw_(cw),
-      inter_(ctx.internode()) {
+      inter_(ctx.internode()),
+      shared_x_(shared_x),
+      row_bytes_(static_cast<size_t>(in.hidden) * dtype_size(in.dtype)) {
   if (!inter_) return;
   const Topology& t = inter_->topo;
   R_ = t.size;
@@ -118,6 +121,11 @@ bool Hierarchy::serve_as_proxy(bool& progressed) {
     if (p.reduced < p.opened && contributors_done(p) && (ticket == 0 || inter_->net->complete(ticket))) {
       send_partials(p, n);
       ++p.reduced;
+      if (p.reduced == p.nwin) {  // closed: our node's holders are done lending rows for this origin
+        ctx_.signal(lc->mirror.combine_open, pack(seq_, p.nwin + 1), me_);
+        for (int d : p.contributors)
+          if (d != me_) ctx_.notify(d);
+      }
       progressed = true;
     }
     for (uint64_t t : p.ticket) all = all && (t == 0 || inter_->net->complete(t));
@@ -182,13 +190,13 @@ void Hierarchy::send_partials(Proxied& p, int n) {
         std::memcpy(&id, m + 4 + 4 * k, 4);
         std::memcpy(&wk, m + 4 + 4 * K_ + 4 * k, 4);
         if (id < 0 || ctx_.node_of(id / L_) != node_) continue;
-        rows[c] = slot(k).first;
+        rows[c] = lane_row(slot(k).first, id / L_);
         wts[c++] = wk;
       }
     } else {
       for (int d : inter_->topo.node_ranks[node_]) {
         if (!m[4 + d]) continue;
-        rows[c] = slot(d).first;
+        rows[c] = lane_row(slot(d).first, d);
         gs[c++] = slot(d).second;
       }
     }

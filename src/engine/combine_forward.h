@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "engine/combine.h"
@@ -29,8 +30,11 @@ CombineLane combine_lane(size_t data_bytes, const CombineGeometry& geo, int64_t 
 class Hierarchy {
  public:
   // `halves` windows in flight; lane half h starts `h * lane_stride` bytes into the lane's data.
+  // `shared_x[d]`: rank d's expert outputs as mapped here when they lie in shared memory (d on our node),
+  // else null; d's slots in the copy windows then hold row indices into them instead of rows.
   Hierarchy(OpContext& ctx, const CombineInput& in, const HandleData& hd, const CombineGeometry& geo,
-            const CombineLane& cl, int64_t halves, size_t lane_stride, uint8_t* cx, float* cw);
+            const CombineLane& cl, int64_t halves, size_t lane_stride, uint8_t* cx, float* cw,
+            const std::vector<const uint8_t*>& shared_x);
 
   // The network must be done with routing_ and the partials before they go, whatever way the call ends.
   ~Hierarchy() { ctx_.drain_writes(); }
@@ -88,6 +92,8 @@ class Hierarchy {
   }
 
   // Proxy duties; true once every proxied window was reduced and sent and the network is done with it all.
+  // Once a proxied origin's last window is reduced, its mirrored `combine_open` is raised past the last
+  // window (closed): holders that lent their shared rows for it may return.
   bool serve_as_proxy(bool& progressed);
 
  private:
@@ -142,6 +148,15 @@ class Hierarchy {
 
   // Reduces what our node wrote for window p.reduced of rail peer p.source and sends the partials back.
   void send_partials(Proxied& p, int n);
+  // The row a proxied window's slot stands for: the copy itself, or holder d's shared row at the index it
+  // wrote there.
+  const uint8_t* lane_row(const uint8_t* slot, int d) const {
+    const uint8_t* sx = shared_x_[d];
+    if (!sx) return slot;
+    int64_t r;
+    std::memcpy(&r, slot, sizeof(r));
+    return sx + r * static_cast<int64_t>(row_bytes_);
+  }
 
   OpContext& ctx_;
   const CombineInput& in_;
@@ -153,6 +168,8 @@ class Hierarchy {
   uint8_t* cx_;
   float* cw_;
   Internode* inter_;
+  const std::vector<const uint8_t*>& shared_x_;
+  size_t row_bytes_ = 0;
   int R_ = 1, M_ = 1, me_ = 0, node_ = 0, K_ = 0, L_ = 1;
   int64_t W_ = 1;
   bool expert_ = true, has_g_ = false;

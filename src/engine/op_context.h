@@ -85,11 +85,12 @@ class OpContext {
   }
   // Rank r's shared input of this call (its dispatch x or its combine expert outputs, in one of its segment's
   // input areas or, kInputInArena, in its output arena; header input_offset), or null when r's input is
-  // private or the Buffer spans nodes (then inputs always travel as copies).
+  // private or r is on another node (its memory is not mapped here).
   const uint8_t* shared_input(int r) const {
     const int64_t off = header(r)->input_offset;
-    if (off < 0 || inter_) return nullptr;
-    return (header(r)->flags & kInputInArena) ? tp_.arena(r) + off : seg(r) + off;
+    if (off < 0 || remote(r)) return nullptr;
+    return (header(r)->flags & kInputInArena) ? tp_.arena(inter_ ? inter_->topo.local_index[r] : r) + off
+                                              : seg(r) + off;
   }
   // Rings the doorbell of whoever waits for what this rank wrote for `r` (r itself, or its proxy here).
   void notify(int r) const;

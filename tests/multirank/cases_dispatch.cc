@@ -240,13 +240,14 @@ MR_CASE("dispatch_shared_input", {}) {
     check_scalar<int64_t>("dispatch_staged_tokens", c1.dispatch_staged_tokens - c0.dispatch_staged_tokens,
                           one_node ? 0 : 2 * T);
   });
-  // A private x is pushed into the receivers' outputs where every rank has an output arena (one node, by
-  // default), else staged (and counted so); so is a quantized dispatch of a shared x.
+  // A private x is pushed into the receivers' outputs where every rank has an output arena (by default) on
+  // one node, else staged (and counted so); so is a quantized dispatch of a shared x.
   const Problem pr = make_problem(spec_for(ctx, 9, 2, 2, 64));
   const int64_t T = pr.ranks[ctx.rank].num_tokens;
   DispatchArgs args = dispatch_args_of(pr, ctx.rank, buf);
-  const bool pushes = buf.num_output_arena_bytes() > 0;
-  REQUIRE(pushes == (one_node && env_arena_on()), "num_output_arena_bytes ", buf.num_output_arena_bytes());
+  const bool arenas = buf.num_output_arena_bytes() > 0;
+  REQUIRE(arenas == env_arena_on(), "num_output_arena_bytes ", buf.num_output_arena_bytes());
+  const bool pushes = arenas && one_node;
   Buffer::CopyCounters c0 = buf.copy_counters();
   DispatchResult d = buf.dispatch(args);
   Buffer::CopyCounters c1 = buf.copy_counters();
@@ -256,7 +257,8 @@ MR_CASE("dispatch_shared_input", {}) {
                         c1.dispatch_pushed_tokens - c0.dispatch_pushed_tokens, pushes ? T : 0);
   check_scalar<int64_t>("private x: dispatch_in_place_tokens",
                         c1.dispatch_in_place_tokens - c0.dispatch_in_place_tokens, 0);
-  {  // recv_x fed back lies in the output arena: the origins read it in place, no holder copies a row
+  {  // recv_x fed back lies in the output arena: the origins (across nodes, the proxies) read it in place, no
+     // holder copies a row
     CombineArgs c;
     c.x = d.recv_x.data;
     c.handle = d.handle;
@@ -267,9 +269,9 @@ MR_CASE("dispatch_shared_input", {}) {
     int64_t held = 0;  // rows of other ranks' tokens (a rank's own rows are not counted either way)
     const std::vector<int64_t> per_source = d.handle->num_recv_rows_per_source();
     for (int s = 0; s < ctx.size; ++s) held += s == ctx.rank ? 0 : per_source[s];
-    REQUIRE(pushes ? copied == 0 && (in_place > 0 || held == 0) : in_place == 0 && (copied > 0 || held == 0),
+    REQUIRE(arenas ? copied == 0 && (in_place > 0 || held == 0) : in_place == 0 && (copied > 0 || held == 0),
             "recv_x fed back: ", copied, " rows copied, ", in_place, " read in place (", held,
-            " rows of other ranks held; output arena ", pushes ? "on" : "off", ")");
+            " rows of other ranks held; output arena ", arenas ? "on" : "off", ")");
     // Pushed rows fed back: every origin reads its copies straight from the holders, no windows.
     check_scalar<int64_t>("recv_x fed back: combine_direct_tokens",
                           c2.combine_direct_tokens - c1.combine_direct_tokens, pushes ? T : 0);

@@ -135,9 +135,11 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
   a.num_worst_tokens = worst;
   a.receive_order = rt.order;
   a.async_finish = rt.async;
-  // With output arenas (one node) a private x is pushed, and combines of rows in place (fed back or in the
+  // With output arenas on one node a private x is pushed, and combines of rows in place (fed back or in the
   // combine-input area) then read every copy straight from the holders: the counters say which path ran.
-  const bool direct = buf.num_output_arena_bytes() > 0 && !rt.shared_dispatch_input;
+  // Across nodes the arenas only let each node's reducers read its holders' rows in place (no holder copies).
+  const bool arenas = buf.num_output_arena_bytes() > 0;
+  const bool direct = arenas && buf.num_nodes() == 1 && !rt.shared_dispatch_input;
   const Buffer::CopyCounters k0 = buf.copy_counters();
   DispatchResult d = buf.dispatch(a);
   if (rt.async) d.event.wait();
@@ -194,6 +196,9 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     check_scalar<int64_t>(where + " combine(fed back) combine_direct_tokens",
                           k1.combine_direct_tokens - k0.combine_direct_tokens,
                           direct ? P.ranks[r].num_tokens : 0);
+    if (arenas || rt.shared_input)  // rows in shared memory: read in place, whatever the path
+      check_scalar<int64_t>(where + " combine(fed back) combine_copied_rows",
+                            k1.combine_copied_rows - k0.combine_copied_rows, 0);
     const bool rank_w = rt.order == ReceiveOrder::rank_major && topk;
     RefCombine rc = ref_combine(P, r, rt.order, rt.expert_alignment, worst, P.spec.dtype, P.spec.hidden, fed,
                                 nullptr, rank_w ? &recv_w : nullptr, {}, rpn);
