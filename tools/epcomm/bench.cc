@@ -79,10 +79,10 @@ const char* kBenchEpilog =
     "num_combine_input_bytes for tokens x topk rows + 25%, and the dispatched rows are copied there "
     "untimed,\n"
     "as an expert would write its outputs), arena when x was the dispatched tensor itself (the default) and\n"
-    "the origins read it in place from the holders' output arenas (one node), private when that tensor's\n"
-    "rows were copied by their holders (several nodes, or no output arena), copy when x was an untimed\n"
-    "copy of the dispatched rows into a fresh private tensor (--combine-input copy: what an expert that\n"
-    "writes a new output tensor hands to combine; the holders copy its rows).\n"
+    "it was read in place from the holders' output arenas (by the origins, across nodes by each node's\n"
+    "proxies), private when that tensor's rows were copied by their holders (no output arena), copy when\n"
+    "x was an untimed copy of the dispatched rows into a fresh private tensor (--combine-input copy: what\n"
+    "an expert that writes a new output tensor hands to combine; the holders copy its rows).\n"
     "dispatch_input: shared when every dispatch of the line had its receivers read the rows in place\n"
     "(Buffer::copy_counters; with --dispatch-input shared the tokens are written once, untimed, into\n"
     "Buffer::get_dispatch_input; with a quantizing --quant or several nodes they are not), else private.\n"
@@ -852,9 +852,10 @@ int run_bench(int argc, char** argv) {
   p.add("plot", "FILE.svg", "", "also draw GB/s against tokens per rank (epcomm, baseline, memcpy) as SVG");
   p.add(
       "combine-input", "shared|private|copy", "private",
-      "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (origins read the "
-      "rows in place on one node), private = the dispatched tensor itself (in the output arena on one node: "
-      "read in place too), copy = a fresh private copy of it, written untimed (its holders copy the rows)");
+      "where combine's x (the expert outputs) lives: shared = Buffer::get_combine_input (the ranks of the "
+      "holder's node that reduce the rows read them in place), private = the dispatched tensor itself (in "
+      "the output arena: read in place too), copy = a fresh private copy of it, written untimed (its holders "
+      "copy the rows)");
   p.add("dispatch-input", "shared|private", "private",
         "where dispatch's x (the tokens) lives: shared = Buffer::get_dispatch_input (written there once, "
         "untimed; receivers read the rows in place on one node, nothing is staged), private = an ordinary "
