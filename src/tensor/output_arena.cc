@@ -10,59 +10,90 @@
 
 namespace epcomm {
 
-OutputArena::OutputArena(uint8_t* base, size_t bytes, size_t cache_limit)
-    : base_(base), bytes_(bytes / kPage * kPage), cache_limit_(cache_limit) {
-  if (bytes_) insert(cold_, cold_size_, 0, bytes_);
+namespace {
+
+constexpr size_t kSpareNodes = 64;  // kept per index: more than the outputs of a few calls in flight
+
+template <class Tree>
+void keep_node(std::vector<typename Tree::node_type>& spare, typename Tree::node_type node) {
+  if (spare.size() < kSpareNodes) spare.push_back(std::move(node));
 }
 
-OutputArena::~OutputArena() {
-  if (base_) munmap(base_, bytes_);
+// An entry of `tree`, made from a kept node when there is one.
+template <class Tree>
+void emplace_reusing(Tree& tree, std::vector<typename Tree::node_type>& spare, size_t key, size_t value) {
+  if (spare.empty()) {
+    tree.emplace(key, value);
+    return;
+  }
+  typename Tree::node_type node = std::move(spare.back());
+  spare.pop_back();
+  node.key() = key;
+  node.mapped() = value;
+  tree.insert(std::move(node));
 }
 
-bool OutputArena::take(std::map<size_t, size_t>& by_offset, std::multimap<size_t, size_t>& by_size,
-                       size_t size, size_t& offset) {
-  auto it = by_size.lower_bound(size);
-  if (it == by_size.end()) return false;
+}  // namespace
+
+FreeRanges::FreeRanges() {
+  spare_offset_.reserve(kSpareNodes);
+  spare_size_.reserve(kSpareNodes);
+}
+
+void FreeRanges::put(size_t offset, size_t size) {
+  emplace_reusing(by_offset_, spare_offset_, offset, size);
+  emplace_reusing(by_size_, spare_size_, size, offset);
+}
+
+void FreeRanges::drop(ByOffset::iterator it) {
+  auto [a, b] = by_size_.equal_range(it->second);
+  for (; a != b; ++a)
+    if (a->second == it->first) {
+      keep_node<BySize>(spare_size_, by_size_.extract(a));
+      break;
+    }
+  keep_node<ByOffset>(spare_offset_, by_offset_.extract(it));
+}
+
+bool FreeRanges::take(size_t size, size_t& offset) {
+  auto it = by_size_.lower_bound(size);
+  if (it == by_size_.end()) return false;
   const size_t have = it->first;
   offset = it->second;
-  by_size.erase(it);
-  by_offset.erase(offset);
+  keep_node<BySize>(spare_size_, by_size_.extract(it));
+  keep_node<ByOffset>(spare_offset_, by_offset_.extract(offset));
   // The tail stays free in place. It needs no merging: the range was coalesced, so its right neighbour is
   // not in this list.
-  if (have > size) {
-    by_offset.emplace(offset + size, have - size);
-    by_size.emplace(have - size, offset + size);
-  }
+  if (have > size) put(offset + size, have - size);
   return true;
 }
 
-void OutputArena::insert(std::map<size_t, size_t>& by_offset, std::multimap<size_t, size_t>& by_size,
-                         size_t offset, size_t size) {
-  auto drop_size = [&](size_t s, size_t off) {
-    auto [a, b] = by_size.equal_range(s);
-    for (; a != b; ++a)
-      if (a->second == off) {
-        by_size.erase(a);
-        return;
-      }
-  };
-  auto next = by_offset.lower_bound(offset);
-  if (next != by_offset.end() && next->first == offset + size) {
+void FreeRanges::insert(size_t offset, size_t size) {
+  auto next = by_offset_.lower_bound(offset);
+  if (next != by_offset_.end() && next->first == offset + size) {
     size += next->second;
-    drop_size(next->second, next->first);
-    next = by_offset.erase(next);
+    auto after = std::next(next);
+    drop(next);
+    next = after;
   }
-  if (next != by_offset.begin()) {
+  if (next != by_offset_.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second == offset) {
       offset = prev->first;
       size += prev->second;
-      drop_size(prev->second, prev->first);
-      by_offset.erase(prev);
+      drop(prev);
     }
   }
-  by_offset.emplace(offset, size);
-  by_size.emplace(size, offset);
+  put(offset, size);
+}
+
+OutputArena::OutputArena(uint8_t* base, size_t bytes, size_t cache_limit)
+    : base_(base), bytes_(bytes / kPage * kPage), cache_limit_(cache_limit) {
+  if (bytes_) cold_.insert(0, bytes_);
+}
+
+OutputArena::~OutputArena() {
+  if (base_) munmap(base_, bytes_);
 }
 
 Tensor OutputArena::allocate(DType dtype, const Shape& shape) {
@@ -73,9 +104,9 @@ Tensor OutputArena::allocate(DType dtype, const Shape& shape) {
   size_t offset = 0;
   {
     std::lock_guard<std::mutex> lk(m_);
-    if (take(hot_, hot_size_, size, offset)) {
+    if (hot_.take(size, offset)) {
       hot_bytes_ -= size;
-    } else if (!take(cold_, cold_size_, size, offset)) {
+    } else if (!cold_.take(size, offset)) {
       return Tensor();
     }
     live_bytes_ += size;
@@ -91,12 +122,12 @@ int64_t OutputArena::reserve(size_t bytes) {
   size_t offset = 0;
   {
     std::lock_guard<std::mutex> lk(m_);
-    if (!take(cold_, cold_size_, size, offset)) return -1;
+    if (!cold_.take(size, offset)) return -1;
   }
   // Write through: the kernel allocates (and zeroes) every page now, not in the first call.
   std::memset(base_ + offset, 0, size);
   std::lock_guard<std::mutex> lk(m_);
-  insert(hot_, hot_size_, offset, size);  // kept whatever the cache limit: the caller asked for it
+  hot_.insert(offset, size);  // kept whatever the cache limit: the caller asked for it
   hot_bytes_ += size;
   return static_cast<int64_t>(offset);
 }
@@ -105,7 +136,7 @@ void OutputArena::release(size_t offset, size_t size) {
   std::unique_lock<std::mutex> lk(m_);
   live_bytes_ -= size;
   if (hot_bytes_ + size <= cache_limit_) {
-    insert(hot_, hot_size_, offset, size);
+    hot_.insert(offset, size);
     hot_bytes_ += size;
     return;
   }
@@ -113,7 +144,7 @@ void OutputArena::release(size_t offset, size_t size) {
   // Beyond the cache: the pages go back to the system (for every process that maps them).
   madvise(base_ + offset, size, MADV_REMOVE);
   lk.lock();
-  insert(cold_, cold_size_, offset, size);
+  cold_.insert(offset, size);
 }
 
 int64_t OutputArena::offset_of(const void* p, size_t n) const {

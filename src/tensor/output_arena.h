@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "epcomm/tensor.h"
 
@@ -16,6 +17,30 @@ namespace epcomm {
 // Freed output memory kept (with its pages) for later outputs, at most: the caching allocator's limit per
 // process and each output arena's.
 constexpr size_t kOutputCacheBytes = size_t{4} << 30;
+
+// A coalesced list of free ranges [offset, offset + size), indexed by offset and by size (best fit). The
+// tree nodes of erased entries are kept for later entries, so that the take() and insert() of an output's
+// allocation and release allocate no memory once the list has settled. Not thread-safe.
+class FreeRanges {
+ public:
+  FreeRanges();
+  // Takes `size` bytes from the smallest range that holds them (its tail stays free in place) and sets
+  // `offset`; false when none holds `size`.
+  bool take(size_t size, size_t& offset);
+  // Adds a range, merged with its free neighbours.
+  void insert(size_t offset, size_t size);
+
+ private:
+  using ByOffset = std::map<size_t, size_t>;     // offset -> size
+  using BySize = std::multimap<size_t, size_t>;  // size -> offset
+  void put(size_t offset, size_t size);          // one entry in both indexes
+  void drop(ByOffset::iterator it);              // an entry out of both indexes
+
+  ByOffset by_offset_;
+  BySize by_size_;
+  std::vector<ByOffset::node_type> spare_offset_;
+  std::vector<BySize::node_type> spare_size_;
+};
 
 // Thread-safe. Blocks are whole pages; a freed block keeps its pages for the next output (no first-touch
 // faults, and the peers' page tables stay valid), up to `cache_limit` bytes of freed memory, beyond which
@@ -49,19 +74,13 @@ class OutputArena : public std::enable_shared_from_this<OutputArena> {
 
  private:
   void release(size_t offset, size_t size);
-  // Takes [offset, offset + size) out of a free list (best fit); false when none holds `size`.
-  static bool take(std::map<size_t, size_t>& by_offset, std::multimap<size_t, size_t>& by_size, size_t size,
-                   size_t& offset);
-  static void insert(std::map<size_t, size_t>& by_offset, std::multimap<size_t, size_t>& by_size,
-                     size_t offset, size_t size);
 
   uint8_t* base_;
   size_t bytes_, cache_limit_;
   mutable std::mutex m_;
   // Two free lists: `hot` ranges have their pages (freed blocks), `cold` ones do not (never used, or
-  // returned to the system). Each is kept coalesced; by_offset: offset -> size, by_size: size -> offset.
-  std::map<size_t, size_t> hot_, cold_;
-  std::multimap<size_t, size_t> hot_size_, cold_size_;
+  // returned to the system).
+  FreeRanges hot_, cold_;
   size_t hot_bytes_ = 0, live_bytes_ = 0;
 };
 

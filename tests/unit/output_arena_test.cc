@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -69,6 +70,67 @@ TEST(OutputArena, FreedBlocksComeBackBestFitAndCoalesce) {
   EXPECT_EQ(offset(*a, u), p_at);
   EXPECT_LT(p_at, r_at);
   EXPECT_EQ(a->cached_bytes(), 0u);
+}
+
+// Thousands of allocations and releases of 1-9 pages in a random order (the free lists reuse their tree
+// nodes): live blocks never overlap and the bookkeeping adds up at every step. Frees everything at the end.
+void allocate_and_free_at_random(OutputArena& a, size_t pages_in_arena) {
+  std::vector<Tensor> live;
+  std::vector<uint8_t> used(pages_in_arena, 0);
+  uint64_t state = 12345;
+  auto next = [&] { return (state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
+  auto mark = [&](const Tensor& t, uint8_t v) {
+    const size_t first = static_cast<size_t>(offset(a, t)) / kPage;
+    for (size_t i = first; i < first + t.nbytes() / kPage; ++i) {
+      if (v) ASSERT_EQ(used[i], 0) << "page " << i << " handed out twice";
+      used[i] = v;
+    }
+  };
+  size_t live_pages = 0;
+  for (int step = 0; step < 4000; ++step) {
+    if (live.size() < 40 && (live.empty() || next() % 3 != 0)) {
+      const int64_t pages = 1 + static_cast<int64_t>(next() % 9);
+      Tensor t = a.allocate(DType::u8, {pages * static_cast<int64_t>(kPage)});
+      if (!t.defined()) continue;  // fragmented: no free range of that size now
+      live.push_back(t);
+      mark(t, 1);
+      live_pages += static_cast<size_t>(pages);
+    } else {
+      const size_t i = next() % live.size();
+      mark(live[i], 0);
+      live_pages -= live[i].nbytes() / kPage;
+      live[i] = live.back();
+      live.pop_back();
+    }
+    ASSERT_EQ(a.live_bytes(), live_pages * kPage) << "step " << step;
+  }
+  live.clear();
+  EXPECT_EQ(a.live_bytes(), 0u);
+}
+
+TEST(OutputArena, RandomAllocationsCoalesceBackIntoTheirFreeLists) {
+  // Every freed block keeps its pages (cache limit = the arena). Blocks are carved from the front of the
+  // never-used range, so the pages ever used are a prefix [0, k): freed, they are one kept range again, and
+  // the rest of the arena is the other.
+  constexpr size_t kPages = 256;
+  auto a = make_arena(kPages * kPage, kPages * kPage);
+  allocate_and_free_at_random(*a, kPages);
+  const size_t kept = a->cached_bytes();
+  ASSERT_GT(kept, 0u);
+  Tensor front = a->allocate(DType::u8, {static_cast<int64_t>(kept)});
+  ASSERT_TRUE(front.defined()) << "the kept ranges did not coalesce into one of " << kept << " bytes";
+  EXPECT_EQ(offset(*a, front), 0);
+  Tensor rest = a->allocate(DType::u8, {static_cast<int64_t>(kPages * kPage - kept)});
+  ASSERT_TRUE(rest.defined());
+  EXPECT_EQ(offset(*a, rest), static_cast<int64_t>(kept));
+}
+
+TEST(OutputArena, RandomAllocationsBeyondTheCacheLimitStayDistinct) {
+  // A small cache limit: most freed blocks go back to the system and to the other free list.
+  constexpr size_t kPages = 256;
+  auto a = make_arena(kPages * kPage, 16 * kPage);
+  allocate_and_free_at_random(*a, kPages);
+  EXPECT_LE(a->cached_bytes(), 16 * kPage);
 }
 
 TEST(OutputArena, FreedPagesBeyondTheCacheLimitGoBackToTheSystem) {
