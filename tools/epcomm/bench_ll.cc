@@ -206,16 +206,12 @@ LowLatencyCombineArgs combine_args(const LlInputs& in, const LlBenchOptions& o,
   return c;
 }
 
+// `plain`: the expert outputs' buffer without --zero-copy.
 void measure(const LlBenchOptions& o, int r, int W, Buffer& buffer, Bootstrap& bs, const LlInputs& in,
-             Samples& s) {
+             const Tensor& plain, Samples& s) {
   const int nops = num_ops(o);
   s.starts.assign(static_cast<size_t>(nops * o.iters), 0.0);
   s.times = s.starts;
-  const int64_t L = o.experts / W, RT = W * o.tokens;
-  // The expert outputs' buffer is written once before the timings, as a serving loop reuses its buffer:
-  // otherwise the first iteration pays its first-touch faults between the dispatch and the combine.
-  Tensor plain = o.zero_copy ? Tensor() : empty(DType::bf16, {L, RT, o.hidden});
-  if (plain.defined()) std::memset(plain.data(), 0, plain.nbytes());
   // The first iteration's results, verified after the timings: verification between timed calls would
   // leave the next call with cold caches.
   std::optional<LowLatencyDispatchResult> first_dispatch;
@@ -333,12 +329,20 @@ int bench_rank_ll(const LlBenchOptions& o, int W, std::unique_ptr<Bootstrap> boo
   bo.low_latency_mode = true;
   bo.timeout_s = o.launch.timeout_s;
   bo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, W, o.experts);
+  // The expert outputs' buffer, written once before the Buffer exists, as a server allocates its buffers at
+  // start-up and reuses them (else the first iteration pays its first-touch faults between the dispatch and
+  // the combine).
+  Tensor plain;
+  if (!o.zero_copy) {
+    plain = empty(DType::bf16, {o.experts / W, W * o.tokens, o.hidden});
+    std::memset(plain.data(), 0, plain.nbytes());
+  }
   Buffer buffer(group, bo);
   LlInputs in;
   make_inputs(o, r, in);
   progress.phase(std::to_string(o.warmup) + " warmup + " + std::to_string(o.iters) + " timed iterations");
   Samples s;
-  measure(o, r, W, buffer, bs, in, s);
+  measure(o, r, W, buffer, bs, in, plain, s);
   const auto starts = all_gather_values(bs, s.starts);
   const auto times = all_gather_values(bs, s.times);
   const auto pairs = all_gather_values(bs, std::vector<int64_t>{s.pairs, s.ok ? 1 : 0});
