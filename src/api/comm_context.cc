@@ -165,8 +165,10 @@ void CommContext::connect_nodes(Group& group, const CommRequest& req) {
   // Virtual nodes share this host's cores: waiters may spin only if every rank *on the host* has a core.
   const int host_ranks = static_cast<int>(
       std::count(group.hosts().begin(), group.hosts().end(), group.hosts()[static_cast<size_t>(rank)]));
-  transport = make_shm_transport(*node_bootstrap, segment.total, group.next_instance(), host_ranks,
-                                 req.arena_across_nodes ? req.arena : ArenaRequest{});
+  // The ranks of a node only read each other's outputs (a combine's rows in place); nobody writes rows there.
+  ArenaRequest arena = req.arena_across_nodes ? req.arena : ArenaRequest{};
+  arena.peers_write = false;
+  transport = make_shm_transport(*node_bootstrap, segment.total, group.next_instance(), host_ranks, arena);
 
   NetworkOptions no;
   for (int n = 0; n < M; ++n)

@@ -66,6 +66,9 @@ class Transport {
 struct ArenaRequest {
   size_t bytes = 0;  // 0: none
   size_t reserve = 0;
+  // false: the peers only read a rank's outputs (the ranks of a node of a Buffer across nodes), so their
+  // view of its reserve is populated for reading and not written through at creation.
+  bool peers_write = true;
 };
 
 // Shared memory between the ranks of one host (transport/shm/). Collective over `bootstrap`.

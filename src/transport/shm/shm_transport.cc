@@ -135,6 +135,15 @@ void warm_peer_range(uint8_t* p, size_t bytes) {
   touch_pages(p, bytes);
 }
 
+// The same for a range this rank only reads.
+void warm_peer_range_for_reading(uint8_t* p, size_t bytes) {
+  if (!bytes) return;
+#ifdef MADV_POPULATE_READ
+  (void)madvise(p, bytes, MADV_POPULATE_READ);
+#endif
+  touch_pages(p, bytes);
+}
+
 // Stores zeros over [p, p + bytes) with streaming stores (one pass, around the cache).
 void stream_zeros(uint8_t* p, size_t bytes) {
 #if defined(__x86_64__)
@@ -294,8 +303,12 @@ void ShmTransport::map_peer(int r, const SegmentRef& ref, int pfd, size_t total)
   if (ref.arena_bytes) {
     arenas_[r] = maps_[r] + arena_file_offset(total);
     // The peer wrote its reserve through: map those pages here now, not one fault at a time in the first
-    // dispatch that writes rows into them.
-    warm_peer_range(arenas_[r], std::min<uint64_t>(ref.arena_reserve, ref.arena_bytes));
+    // dispatch that writes rows into them (or the first combine that reads rows from them).
+    const size_t reserve = std::min<uint64_t>(ref.arena_reserve, ref.arena_bytes);
+    if (arena_req_.peers_write)
+      warm_peer_range(arenas_[r], reserve);
+    else
+      warm_peer_range_for_reading(arenas_[r], reserve);
   }
 }
 
@@ -421,7 +434,7 @@ void ShmTransport::settle_reserves(Bootstrap& bootstrap, const std::vector<Segme
   if (env::arena_settle())
     for (int i = 0; i < size_; ++i) {
       const int r = (rank_ + i) % size_;  // ours first, then the peers' (from different ranks at once)
-      if (arenas_[r] && refs[r].arena_bytes)
+      if (arenas_[r] && refs[r].arena_bytes && (r == rank_ || arena_req_.peers_write))
         stream_zeros(arenas_[r], std::min<uint64_t>(refs[r].arena_reserve, refs[r].arena_bytes));
     }
   bootstrap.barrier();
