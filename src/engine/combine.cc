@@ -314,35 +314,21 @@ void CombineCall::fill_copy(int s, int64_t w, int64_t t0, uint8_t* area, int32_t
 // index the slot holds, or a peer's copy in the window; with its receiving-side weights (rank_major). The
 // internode reduction's view (only holders of our node write into our window).
 std::pair<const uint8_t*, const float*> CombineCall::reduce_copy_of(int64_t w, int64_t t, int slot) const {
-  const uint8_t* win = my_area_ + static_cast<size_t>(w % halves_) * area_bytes_;
   const size_t idx = static_cast<size_t>(t - w * W_) * slots_ + slot;
-  const size_t l = local_index(w, idx);
-  const uint8_t* row = local_rows_[l] ? local_rows_[l] : win + idx * geo_.row_stride;
-  if (!local_rows_[l])
-    if (const uint8_t* sx = shared_x_[holder_of(t, slot)]) {
-      int64_t r;
-      std::memcpy(&r, row, sizeof(r));
-      row = sx + r * static_cast<int64_t>(row_bytes_);
-    }
-  const float* g = local_weights_[l]
-                       ? local_weights_[l]
-                       : reinterpret_cast<const float*>(win + weights_off_ + idx * geo_.weight_stride);
-  return {row, g};
+  const float* own = local_weights_[local_index(w, idx)];
+  const uint8_t* win = my_area_ + static_cast<size_t>(w % halves_) * area_bytes_;
+  return {copy_of(w, t, slot),
+          own ? own : reinterpret_cast<const float*>(win + weights_off_ + idx * geo_.weight_stride)};
 }
 
-// The row of slot `slot` of token t in window w on one node: in place (ours, or a holder's shared row whose
-// index the slot holds) or in the window.
+// The row of slot `slot` of token t in window w: in place (ours, or a holder's shared row whose index the
+// slot holds) or in the window.
 const uint8_t* CombineCall::copy_of(int64_t w, int64_t t, int slot) const {
   const size_t idx = static_cast<size_t>(t - w * W_) * slots_ + slot;
   if (const uint8_t* own = local_rows_[local_index(w, idx)]) return own;
   const uint8_t* in_window =
       my_area_ + static_cast<size_t>(w % halves_) * area_bytes_ + idx * geo_.row_stride;
-  if (const uint8_t* sx = shared_x_[holder_of(t, slot)]) {
-    int64_t row;
-    std::memcpy(&row, in_window, sizeof(row));
-    return sx + row * static_cast<int64_t>(row_bytes_);
-  }
-  return in_window;
+  return slot_row(in_window, shared_x_[holder_of(t, slot)], row_bytes_);
 }
 
 // The contributions of token t in canonical order (slot k ascending, or rank d ascending).

@@ -3,6 +3,7 @@
 // canonical order (docs/normal-mode.md) straight into combined_x.
 #pragma once
 
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -12,6 +13,16 @@
 #include "engine/workers.h"
 
 namespace epcomm::engine {
+
+// The row a combine window slot stands for: the copy written into it or, when its holder's expert outputs
+// lie in shared memory (`shared_x`, as mapped here; null otherwise), that holder's row at the index the slot
+// holds (holders then write 8-byte row indices instead of rows).
+inline const uint8_t* slot_row(const uint8_t* slot, const uint8_t* shared_x, size_t row_bytes) {
+  if (!shared_x) return slot;
+  int64_t row;
+  std::memcpy(&row, slot, sizeof(row));
+  return shared_x + row * static_cast<int64_t>(row_bytes);
+}
 
 struct CombineInput {
   const HandleData* handle = nullptr;

@@ -5,7 +5,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "engine/combine.h"
@@ -148,14 +147,9 @@ class Hierarchy {
 
   // Reduces what our node wrote for window p.reduced of rail peer p.source and sends the partials back.
   void send_partials(Proxied& p, int n);
-  // The row a proxied window's slot stands for: the copy itself, or holder d's shared row at the index it
-  // wrote there.
+  // The row a proxied window's slot written by holder d stands for (slot_row).
   const uint8_t* lane_row(const uint8_t* slot, int d) const {
-    const uint8_t* sx = shared_x_[d];
-    if (!sx) return slot;
-    int64_t r;
-    std::memcpy(&r, slot, sizeof(r));
-    return sx + r * static_cast<int64_t>(row_bytes_);
+    return slot_row(slot, shared_x_[d], row_bytes_);
   }
 
   OpContext& ctx_;

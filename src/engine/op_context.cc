@@ -190,7 +190,7 @@ int OpContext::find_local_peer(process::State state, const std::vector<int>& pee
     const int r = remote(p) ? inter_->topo.proxy_of(p) : p;
     if (r == rank_) continue;
     int32_t pid = 0;
-    if (tp_.peer_process(inter_ ? inter_->topo.local_index[r] : r, &pid) != state) continue;
+    if (tp_.peer_process(tp_index(r), &pid) != state) continue;
     lost_rank_ = r;
     lost_reason_ = state == process::State::gone
                        ? detail::cat(peer_word_, " ", r, " died: its process ", pid, " exited or was killed")

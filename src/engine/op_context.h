@@ -89,8 +89,7 @@ class OpContext {
   const uint8_t* shared_input(int r) const {
     const int64_t off = header(r)->input_offset;
     if (off < 0 || remote(r)) return nullptr;
-    return (header(r)->flags & kInputInArena) ? tp_.arena(inter_ ? inter_->topo.local_index[r] : r) + off
-                                              : seg(r) + off;
+    return (header(r)->flags & kInputInArena) ? tp_.arena(tp_index(r)) + off : seg(r) + off;
   }
   // Rings the doorbell of whoever waits for what this rank wrote for `r` (r itself, or its proxy here).
   void notify(int r) const;
@@ -204,7 +203,9 @@ class OpContext {
   void publish_failure(const std::string& message) const;
 
  private:
-  uint8_t* seg(int r) const { return tp_.segment(inter_ ? inter_->topo.local_index[r] : r); }
+  // Rank r (of this node) as the shared-memory transport numbers it.
+  int tp_index(int r) const { return inter_ ? inter_->topo.local_index[r] : r; }
+  uint8_t* seg(int r) const { return tp_.segment(tp_index(r)); }
   HeaderData* header_slot(int r, uint64_t seq) const {
     if (remote(r))
       return reinterpret_cast<HeaderData*>(lane_base(inter_->topo.proxy_of(r), node_of(r)) +
