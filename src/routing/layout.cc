@@ -49,41 +49,58 @@ ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_
   const int R = map.num_ranks, L = map.num_local;
   ReceivePlan p;
   p.order = order;
-  p.cnt.assign(L, 0);
-  p.list.assign(L, 0);
   p.rows_per_source.assign(R, 0);
+  int64_t* per_source = p.rows_per_source.data();
+  if (order == ReceiveOrder::expert_major) {
+    // Loops over experts with sources outside, each vectorizable: a receiver's plan is made on every rank
+    // for every receiver per call, and a loop over (expert, source) with the running row carried through
+    // both cost ~0.7 us at 256 local experts.
+    p.cnt.assign(L, 0);
+    p.list.resize(L);
+    p.start.resize(static_cast<size_t>(R) * L);
+    p.pad_begin.resize(L);
+    p.block_end.resize(L);
+    int64_t *cnt = p.cnt.data(), *list = p.list.data(), *begin = p.pad_begin.data(),
+            *end = p.block_end.data();
+    for (int s = 0; s < R; ++s) {  // start: offsets within each expert's rows, for now
+      const int32_t* c = pairs_per_expert[s] + static_cast<ptrdiff_t>(d) * L;
+      int64_t* st = p.start.data() + static_cast<size_t>(s) * L;
+      int64_t sum = 0;
+      for (int j = 0; j < L; ++j) {
+        st[j] = cnt[j];
+        cnt[j] += c[j];
+        sum += c[j];
+      }
+      per_source[s] = sum;
+    }
+    int64_t row = 0;  // begin[j]: the expert's first row, for now
+    for (int j = 0; j < L; ++j) {
+      list[j] = align_up(cnt[j], expert_alignment);
+      begin[j] = block_rows > 0 ? j * block_rows : row;
+      row = begin[j] + (block_rows > 0 ? block_rows : list[j]);
+      end[j] = row;
+    }
+    for (int s = 0; s < R; ++s) {
+      int64_t* st = p.start.data() + static_cast<size_t>(s) * L;
+      for (int j = 0; j < L; ++j) st[j] += begin[j];
+    }
+    for (int j = 0; j < L; ++j) begin[j] += cnt[j];  // now the PAD rows' first
+    p.num_recv_rows = row;
+    return p;
+  }
+  p.cnt.assign(L, 0);
   for (int s = 0; s < R; ++s)
     for (int j = 0; j < L; ++j) p.cnt[j] += pairs_per_expert[s][d * L + j];
+  p.list.resize(L);
   for (int j = 0; j < L; ++j) p.list[j] = align_up(p.cnt[j], expert_alignment);
-
-  if (order == ReceiveOrder::expert_major) {
-    p.start.assign(static_cast<size_t>(R) * L, 0);
-    p.pad_begin.assign(L, 0);
-    p.block_end.assign(L, 0);
-    int64_t row = 0;
-    for (int j = 0; j < L; ++j) {
-      if (block_rows > 0) row = j * block_rows;
-      for (int s = 0; s < R; ++s) {
-        p.start[static_cast<size_t>(s) * L + j] = row;
-        int64_t c = pairs_per_expert[s][d * L + j];
-        row += c;
-        p.rows_per_source[s] += c;
-      }
-      p.pad_begin[j] = row;
-      row = block_rows > 0 ? (j + 1) * block_rows : row + p.list[j] - p.cnt[j];
-      p.block_end[j] = row;
-    }
-    p.num_recv_rows = row;
-  } else {
-    p.start.assign(R, 0);
-    int64_t row = 0;
-    for (int s = 0; s < R; ++s) {
-      p.start[s] = row;
-      p.rows_per_source[s] = tokens_per_rank[s][d];
-      row += tokens_per_rank[s][d];
-    }
-    p.num_recv_rows = row;
+  p.start.resize(R);
+  int64_t row = 0;
+  for (int s = 0; s < R; ++s) {
+    p.start[s] = row;
+    per_source[s] = tokens_per_rank[s][d];
+    row += tokens_per_rank[s][d];
   }
+  p.num_recv_rows = row;
   return p;
 }
 
