@@ -21,7 +21,7 @@ from .group import Group, as_group
 from .compat import (apply_token_nums_type, default_receive_order, fold_expert_counts, long_seq_rounds,
                      per_round_expert_counts, resolve_flavor)
 from .handle import Handle
-from . import low_latency
+from . import ll_ascend, ll_deepep, low_latency
 
 Config = _C.Config
 
@@ -238,8 +238,6 @@ class Buffer:
         if not self._destroyed:
             self._destroyed = True
             if getattr(self, "_ll_ascend_state", None) is not None:  # its low-latency worker thread
-                from . import ll_ascend
-
                 ll_ascend.shutdown(self)
             self._impl.destroy()
         _live_buffers.discard(self)
@@ -492,13 +490,7 @@ class Buffer:
         if isinstance(self._impl, AllToAllStrategy):
             raise InvalidUsageError(f"epcomm[rank {self.rank}] {op}: low-latency mode runs on the shared-memory "
                                     f"strategy; this Buffer uses DEEP_USE_MODE=alltoall")
-        if self.flavor == "ascend":
-            from . import ll_ascend
-
-            return ll_ascend
-        from . import ll_deepep
-
-        return ll_deepep
+        return ll_ascend if self.flavor == "ascend" else ll_deepep
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *args, **kwargs):
         """Collective. Low-latency dispatch of the Buffer's flavor: returns (recv_x, recv_count, handle, event,

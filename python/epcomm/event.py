@@ -1,6 +1,9 @@
 """EventOverlap: completion of an asynchronous dispatch or combine (docs/normal-mode.md)."""
 from concurrent.futures import Future
 
+from . import _C
+from ._errors import InvalidUsageError
+
 
 class _FutureEvent:
     """A concurrent.futures.Future seen as an event (calls the Python front runs on a worker thread)."""
@@ -22,9 +25,6 @@ class EventOverlap:
     EventOverlap() with no event is a completed event (DeepEP's signature: event, extra_tensors)."""
 
     def __init__(self, event=None, extra_tensors=None):
-        from . import _C
-        from ._errors import InvalidUsageError
-
         if isinstance(event, EventOverlap):
             event = event.event
         if isinstance(event, Future):
@@ -59,9 +59,6 @@ class EventOverlap:
 
 def c_event(previous_event, what="previous_event"):
     """The C++ event behind a previous_event argument (None for None or a completed EventOverlap)."""
-    from . import _C
-    from ._errors import InvalidUsageError
-
     if previous_event is None:
         return None
     if isinstance(previous_event, EventOverlap):
