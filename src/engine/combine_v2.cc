@@ -181,6 +181,7 @@ struct CombineV2Call {
   void exchange_headers();
   void fit_window();
   void check_row_counts();
+  [[noreturn]] void throw_row_count_mismatch(int o, int64_t want, int64_t sum) const;
   void plan_windows();
   void move_rows();
 
@@ -343,32 +344,36 @@ void CombineV2Call::fit_window() {
 }
 
 // Every origin gets exactly the rows it expects (its mask and ids) from rows whose tokens it has; every rank
-// makes the same checks.
+// makes the same checks. The message's list of senders is written only when the check fails (formatting it
+// on every call cost ~0.3 us per sender).
 void CombineV2Call::check_row_counts() {
   tokens_of.resize(W);
   for (int o = 0; o < W; ++o) tokens_of[o] = ctx.header(o)->num_tokens;
   for (int o = 0; o < W; ++o) {
     int64_t sum = 0;
-    std::string senders;
     for (int s = 0; s < W; ++s) {
       const int32_t* pc = peer_counts(ctx, s);
       sum += pc[count_origin(W, o)];
-      if (pc[count_origin(W, o)])
-        senders +=
-            detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ", pc[count_origin(W, o)]);
       if (pc[count_max_token(W, o)] > tokens_of[o])
         EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_word(),
                      " ", s, " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ",
                      ctx.peer_word(), " ", o, ", which has Bs = ", tokens_of[o], " tokens");
     }
     const int64_t want = peer_counts(ctx, o)[count_expected(W)];
-    if (sum != want)
-      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", o, " expects ", want,
-                   " rows (active slots of its x_active_mask and expert_ids, plus ", S,
-                   " shared per active token) but the ranks return ", sum, " (",
-                   senders.empty() ? "none" : senders,
-                   "): expert_ids, x_active_mask or the layout differ from the dispatch");
+    if (sum != want) throw_row_count_mismatch(o, want, sum);
   }
+}
+
+[[noreturn]] void CombineV2Call::throw_row_count_mismatch(int o, int64_t want, int64_t sum) const {
+  std::string senders;
+  for (int s = 0; s < W; ++s)
+    if (const int32_t n = peer_counts(ctx, s)[count_origin(W, o)])
+      senders += detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ", n);
+  EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", o, " expects ", want,
+               " rows (active slots of its x_active_mask and expert_ids, plus ", S,
+               " shared per active token) but the ranks return ", sum, " (",
+               senders.empty() ? "none" : senders,
+               "): expert_ids, x_active_mask or the layout differ from the dispatch");
 }
 
 // Windows over each origin's tokens: who fills which, and (internode) what each proxy serves.

@@ -2,6 +2,8 @@
 // expert_major layout and the low-latency layout with fixed expert blocks (docs/low-latency.md).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
 #include <vector>
 
 #include "routing/layout.h"
@@ -49,6 +51,81 @@ TEST(ReceivePlan, LowLatencyBlocksIgnoreAlignmentPadding) {
   EXPECT_EQ(p.start, (std::vector<int64_t>{0, 6, 0, 9}));
   EXPECT_EQ(p.list, (std::vector<int64_t>{4, 8}));
   EXPECT_EQ(p.num_recv_rows, 12);
+}
+
+// The plan of random counts against a row-by-row model written from docs/normal-mode.md and
+// docs/low-latency.md: expert_major places expert j's rows from source 0, 1, ... in turn, then its PAD rows
+// up to the aligned list (packed) or to the end of its block of block_rows (low latency); rank_major places
+// source s's tokens after those of the sources before it.
+ReceivePlan model_plan(int d, ReceiveOrder order, int R, int L, int64_t alignment, int64_t block_rows,
+                       const std::vector<std::vector<int32_t>>& pairs,
+                       const std::vector<std::vector<int32_t>>& tokens) {
+  ReceivePlan m;
+  m.cnt.assign(L, 0);
+  m.rows_per_source.assign(R, 0);
+  for (int j = 0; j < L; ++j)
+    for (int s = 0; s < R; ++s) m.cnt[j] += pairs[s][d * L + j];
+  for (int j = 0; j < L; ++j) m.list.push_back((m.cnt[j] + alignment - 1) / alignment * alignment);
+  int64_t row = 0;
+  if (order == ReceiveOrder::rank_major) {
+    for (int s = 0; s < R; ++s) {
+      m.start.push_back(row);
+      m.rows_per_source[s] = tokens[s][d];
+      row += tokens[s][d];
+    }
+    m.num_recv_rows = row;
+    return m;
+  }
+  m.start.assign(static_cast<size_t>(R) * L, -1);
+  for (int j = 0; j < L; ++j) {
+    const int64_t first = block_rows > 0 ? j * block_rows : row;
+    row = first;
+    for (int s = 0; s < R; ++s) {
+      m.start[static_cast<size_t>(s) * L + j] = row;
+      for (int i = 0; i < pairs[s][d * L + j]; ++i, ++row) ++m.rows_per_source[s];
+    }
+    m.pad_begin.push_back(row);
+    row = block_rows > 0 ? first + block_rows : first + m.list[j];
+    m.block_end.push_back(row);
+  }
+  m.num_recv_rows = row;
+  return m;
+}
+
+TEST(ReceivePlan, RandomCountsMatchTheRowByRowModel) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int R = 1 + static_cast<int>(rng() % 9), L = 1 + static_cast<int>(rng() % 40);
+    const int64_t alignment = 1 + static_cast<int64_t>(rng() % 4) * (rng() % 2 ? 1 : 16);
+    const ReceiveOrder order = rng() % 3 ? ReceiveOrder::expert_major : ReceiveOrder::rank_major;
+    std::vector<std::vector<int32_t>> pairs(R, std::vector<int32_t>(static_cast<size_t>(R) * L)),
+        tokens(R, std::vector<int32_t>(R));
+    int32_t most = 0;
+    for (auto& v : pairs)
+      for (int32_t& c : v) most = std::max(most, c = rng() % 4 ? 0 : static_cast<int32_t>(rng() % 5));
+    for (auto& v : tokens)
+      for (int32_t& c : v) c = static_cast<int32_t>(rng() % 6);
+    // Low-latency blocks hold every source's pairs of an expert.
+    const int64_t block_rows = order == ReceiveOrder::expert_major && rng() % 2 ? R * (most + 1) : 0;
+    std::vector<const int32_t*> pp, tt;
+    for (int s = 0; s < R; ++s) {
+      pp.push_back(pairs[s].data());
+      tt.push_back(tokens[s].data());
+    }
+    const ExpertMap map{R * L, R, L};
+    for (int d = 0; d < R; ++d) {
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << " R " << R << " L " << L << " d " << d);
+      const ReceivePlan p = plan_receive(d, order, map, alignment, pp, tt, block_rows);
+      const ReceivePlan m = model_plan(d, order, R, L, alignment, block_rows, pairs, tokens);
+      EXPECT_EQ(p.cnt, m.cnt);
+      EXPECT_EQ(p.list, m.list);
+      EXPECT_EQ(p.start, m.start);
+      EXPECT_EQ(p.pad_begin, m.pad_begin);
+      EXPECT_EQ(p.block_end, m.block_end);
+      EXPECT_EQ(p.rows_per_source, m.rows_per_source);
+      EXPECT_EQ(p.num_recv_rows, m.num_recv_rows);
+    }
+  }
 }
 
 }  // namespace
