@@ -189,6 +189,10 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     if (rt.async) c.previous_event = d.event;
     CombineResult cr = buf.combine(c);
     cr.event.wait();
+    // Once combine returns, the rows this rank lent are its own again: overwrite them at once, so that a
+    // reader still behind (a peer reading them in place, or across nodes the proxy that reduces them for a
+    // remote origin) would reduce NaN and fail that rank's check below.
+    if (c.x.nbytes()) std::memset(c.x.data(), 0xFF, c.x.nbytes());
     const Buffer::CopyCounters k1 = buf.copy_counters();
     check_scalar<int64_t>(where + " dispatch_pushed_tokens",
                           k1.dispatch_pushed_tokens - k0.dispatch_pushed_tokens,
