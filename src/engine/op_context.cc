@@ -245,9 +245,20 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
         throw Error(ErrorCode::Timeout, detail::cat(os.str(), ": ", lost_reason_));
   std::ostringstream body;  // what the peers that hear of it quote: naming the one awaited peer
   body << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for ";
-  for (size_t i = 0; i < peers.size(); ++i)
+  for (size_t i = 0; i < peers.size(); ++i) {
     body << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #"
-         << shown(last_seq_seen(peers[i])) << ")";
+         << shown(last_seq_seen(peers[i]));
+    // A rank on another node is heard of through its rail peer here, which may be the one that is stuck.
+    if (remote(peers[i])) {
+      const int via = inter_->topo.proxy_of(peers[i]);
+      body << "; on node " << node_of(peers[i]) << ", ";
+      if (via == rank_)
+        body << "this " << peer_word_ << "'s rail peer";
+      else
+        body << "reached through " << peer_word_ << " " << via;
+    }
+    body << ")";
+  }
   if (peers.empty()) body << "(no peer recorded)";
   if (peers.size() == 1) {  // the one peer this rank waits for is the lost one: peers that hear of it name it
     lost_rank_ = peers[0];

@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "common/env.h"
 #include "support/check.h"
 
 namespace epcomm::testing {
@@ -278,6 +279,24 @@ void run_round_trip(RankCtx& ctx, Buffer& buf, const RoundTrip& rt) {
     auto want = ref_cached_dispatch(P, r, rt.order, rt.expert_alignment, worst, nx, H3 * 4);
     check_rows_equal(where + " cached recv_x", bytes_of(cd.recv_x.data), want, H3 * 4, DType::f32);
   }
+}
+
+void check_names_missing(const Error& e, const RankCtx& ctx, const char* word, int missing, int seen) {
+  const std::string m = e.what();
+  REQUIRE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Aborted, "got ", error_code_name(e.code()),
+          ": ", m);
+  const std::string named = epcomm::detail::cat(word, " ", missing, " (last call seen: #", seen);
+  REQUIRE(m.find("timeout") != std::string::npos && m.find(named) != std::string::npos, "message: ", m,
+          " (expected to name ", named, ")");
+  const int rpn = env::ranks_per_node();  // virtual nodes of rpn consecutive ranks when 0 < rpn < size
+  if (e.code() != ErrorCode::Timeout || rpn <= 0 || rpn >= ctx.size || missing / rpn == ctx.rank / rpn)
+    return;
+  const std::string via =
+      ctx.rank % rpn == missing % rpn
+          ? epcomm::detail::cat("this ", word, "'s rail peer")
+          : epcomm::detail::cat("reached through ", word, " ", ctx.rank / rpn * rpn + missing % rpn);
+  const std::string remote = epcomm::detail::cat(named, "; on node ", missing / rpn, ", ", via, ")");
+  REQUIRE(m.find(remote) != std::string::npos, "message: ", m, " (expected to name ", remote, ")");
 }
 
 }  // namespace epcomm::testing

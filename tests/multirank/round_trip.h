@@ -44,4 +44,9 @@ DispatchArgs dispatch_args_of(const Problem& p, int r, Buffer& buf);
 void expect_error(const std::function<void()>& fn, ErrorCode code,
                   std::initializer_list<const char*> keywords);
 
+// A timeout for a missing peer: the message (Timeout, or an Aborted quoting a peer's Timeout) names
+// `word` ("rank", "ep rank") `missing` with the last call seen from it (#`seen`); a rank's own Timeout for a
+// peer on another node (EPCOMM_RANKS_PER_NODE) also names that node and the rank of ours that relays it.
+void check_names_missing(const Error& e, const RankCtx& ctx, const char* word, int missing, int seen);
+
 }  // namespace epcomm::testing
