@@ -239,6 +239,9 @@ class DispatchCall {
   void plan_receives();        // 2. every receiver's rows, known on every rank
   void check_windows() const;  // 3. a segment that cannot hold one staged token
   void check_block_capacity(int d, const routing::ReceivePlan& p) const;
+  void keep_my_starts(int d, const routing::ReceivePlan& p);
+  // Our rows are placed per expert of the receiver (expert_major with top-k), else as one run per receiver.
+  bool by_expert() const { return in_.order == ReceiveOrder::expert_major && K_ > 0; }
   void set_up_outputs();  // 4. outputs, published to pushing senders, the handle's shape
   void move_rows();       // 5. rounds: stage own windows, pull (or push) every source's rows
   void finish() const;
@@ -323,9 +326,9 @@ class DispatchCall {
   int L_ = 0;
   routing::ExpertMap map_{};
   routing::ReceivePlan plan_;
-  std::vector<int64_t> rows_matrix_;              // every receiver's rows per source (the handle keeps it)
-  std::vector<std::vector<int64_t>> push_start_;  // receiver d's first row of each of our runs
-  int64_t host_rows_ = 0;                         // rows all receivers get together
+  std::vector<int64_t> rows_matrix_;  // every receiver's rows per source (the handle keeps it)
+  std::vector<int64_t> my_starts_;    // receiver d's first row of each of our runs (keep_my_starts)
+  int64_t host_rows_ = 0;             // rows all receivers get together
   int64_t N_ = 0, rows_ = 0;
   Outputs o_;
   const std::vector<int64_t>* rows_from_ = nullptr;
@@ -517,7 +520,7 @@ void DispatchCall::exchange_headers() {
 void DispatchCall::plan_receives() {
   L_ = in_.num_experts / R_;
   map_ = routing::ExpertMap{in_.num_experts, R_, L_};
-  push_start_.resize(push_ ? R_ : 0);
+  my_starts_.resize(push_ ? static_cast<size_t>(R_) * (by_expert() ? L_ : 1) : 0);
   host_rows_ = in_.cached ? hd_->host_recv_rows : 0;
   if (in_.cached) return;
   std::vector<const int32_t*> pairs(R_), toks(R_);
@@ -526,9 +529,10 @@ void DispatchCall::plan_receives() {
     toks[s] = ctx_.counts(s) + in_.num_experts;
   }
   rows_matrix_.assign(static_cast<size_t>(R_) * R_, 0);
+  routing::ReceivePlan other;  // every other receiver's plan, one after the other in the same vectors
   for (int d = 0; d < R_; ++d) {
-    routing::ReceivePlan p =
-        routing::plan_receive(d, in_.order, map_, in_.expert_alignment, pairs, toks, in_.expert_block_rows);
+    routing::ReceivePlan& p = d == me_ ? plan_ : other;
+    routing::plan_receive(p, d, in_.order, map_, in_.expert_alignment, pairs, toks, in_.expert_block_rows);
     check_block_capacity(d, p);
     for (int s = 0; s < R_; ++s) rows_matrix_[static_cast<size_t>(s) * R_ + d] = p.rows_per_source[s];
     int64_t worst = ctx_.header(d)->num_worst_tokens;
@@ -537,11 +541,21 @@ void DispatchCall::plan_receives() {
                    " rows but its num_worst_tokens = ", worst,
                    "; nothing was sent (rows are never truncated)");
     check_receive_capacity(ctx_, d, p.num_recv_rows, f_, K_, in_.idx_dtype);  // every rank, every receiver
-    if (push_) push_start_[d] = p.start;
+    if (push_) keep_my_starts(d, p);
     // The rows written (a low-latency block's unused rows are never touched).
     host_rows_ +=
         in_.expert_block_rows > 0 ? std::accumulate(p.cnt.begin(), p.cnt.end(), int64_t{0}) : p.num_recv_rows;
-    if (d == me_) plan_ = std::move(p);
+  }
+}
+
+// Where our rows start on receiver d, for push_rows: our run of each of d's local experts (expert_major with
+// top-k), or our one run (rank_major, or no top-k).
+void DispatchCall::keep_my_starts(int d, const routing::ReceivePlan& p) {
+  if (by_expert()) {
+    const auto mine = p.start.begin() + static_cast<ptrdiff_t>(me_) * L_;
+    std::copy(mine, mine + L_, my_starts_.begin() + static_cast<ptrdiff_t>(d) * L_);
+  } else {
+    my_starts_[d] = p.start[me_];
   }
 }
 
@@ -781,17 +795,17 @@ void DispatchCall::plan_push(const std::vector<char>& now, PushPlan& plan) {
   std::vector<uint8_t*> dest(R_, nullptr), dest_scales(R_, nullptr);
   std::vector<int64_t> next(R_, 0);              // rank_major: receiver d's next row for our tokens
   std::vector<std::vector<int64_t>> next_e(R_);  // expert_major: per local expert of d
-  const bool by_expert = in_.order == ReceiveOrder::expert_major && K_ > 0;
+  const bool by_expert = this->by_expert();
   for (int d = 0; d < R_; ++d) {
     if (!now[d]) continue;
     dest[d] = tp_.arena(d) + ctx_.control(d)->out_offset;
     if (f_.scale_row_bytes) dest_scales[d] = tp_.arena(d) + ctx_.control(d)->out_scale_offset;
     if (in_.cached) continue;  // the handle's send_rows give the rows
     if (by_expert)
-      next_e[d].assign(push_start_[d].begin() + static_cast<ptrdiff_t>(me_) * L_,
-                       push_start_[d].begin() + static_cast<ptrdiff_t>(me_ + 1) * L_);
+      next_e[d].assign(my_starts_.begin() + static_cast<ptrdiff_t>(d) * L_,
+                       my_starts_.begin() + static_cast<ptrdiff_t>(d + 1) * L_);
     else
-      next[d] = push_start_[d][me_];
+      next[d] = my_starts_[d];
   }
   int32_t* send_rows = in_.cached ? nullptr : nh_->send_rows.data();
   const int32_t* sent_to = in_.cached ? hd_->send_rows.data() : nullptr;

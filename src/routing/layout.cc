@@ -43,11 +43,10 @@ void normalize_topk_ids(const void* ids, bool is_i64, int64_t num_tokens, int nu
   }
 }
 
-ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
-                         const std::vector<const int32_t*>& pairs_per_expert,
-                         const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows) {
+void plan_receive(ReceivePlan& p, int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
+                  const std::vector<const int32_t*>& pairs_per_expert,
+                  const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows) {
   const int R = map.num_ranks, L = map.num_local;
-  ReceivePlan p;
   p.order = order;
   p.rows_per_source.assign(R, 0);
   int64_t* per_source = p.rows_per_source.data();
@@ -86,8 +85,10 @@ ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_
     }
     for (int j = 0; j < L; ++j) begin[j] += cnt[j];  // now the PAD rows' first
     p.num_recv_rows = row;
-    return p;
+    return;
   }
+  p.pad_begin.clear();
+  p.block_end.clear();
   p.cnt.assign(L, 0);
   for (int s = 0; s < R; ++s)
     for (int j = 0; j < L; ++j) p.cnt[j] += pairs_per_expert[s][d * L + j];
@@ -101,7 +102,6 @@ ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_
     row += tokens_per_rank[s][d];
   }
   p.num_recv_rows = row;
-  return p;
 }
 
 }  // namespace epcomm::routing

@@ -55,9 +55,17 @@ struct ReceivePlan {
 // only). block_rows > 0 (expert_major, low-latency mode): block j is rows [j * block_rows, (j + 1) *
 // block_rows), its pairs first, the rest its PAD range; N = L * block_rows. The caller checks that every
 // cnt[j] fits.
-ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
-                         const std::vector<const int32_t*>& pairs_per_expert,
-                         const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows = 0);
+// Fills `p` (its vectors keep their capacity: a caller planning every receiver reuses one plan).
+void plan_receive(ReceivePlan& p, int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
+                  const std::vector<const int32_t*>& pairs_per_expert,
+                  const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows = 0);
+inline ReceivePlan plan_receive(int d, ReceiveOrder order, const ExpertMap& map, int64_t expert_alignment,
+                                const std::vector<const int32_t*>& pairs_per_expert,
+                                const std::vector<const int32_t*>& tokens_per_rank, int64_t block_rows = 0) {
+  ReceivePlan p;
+  plan_receive(p, d, order, map, expert_alignment, pairs_per_expert, tokens_per_rank, block_rows);
+  return p;
+}
 
 // n rounded up to a multiple of a (> 0). a = 1 (no alignment, the common case) skips the 64-bit division,
 // which costs ~40 cycles per call: a plan calls this once per local expert and receiver.
