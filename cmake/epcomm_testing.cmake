@@ -62,3 +62,22 @@ function(epcomm_scale_test_timeouts)
     endif()
   endforeach()
 endfunction()
+
+# epcomm_unwind_mpi_tests_fully(): in AddressSanitizer builds, every test labelled `mpi` in the calling
+# directory runs with ASAN_OPTIONS += fast_unwind_on_malloc=0. Open MPI keeps what MPI_Init and its progress
+# thread allocate until the process exits; tools/sanitizers/lsan.supp names those callers, but the fast
+# unwinder stops in Open MPI's plugins (no frame pointers, and unloaded before the report) and never reaches
+# them. Full unwinding costs time on every allocation, so only these tests pay it.
+function(epcomm_unwind_mpi_tests_fully)
+  if(NOT EPCOMM_SANITIZE STREQUAL "address")
+    return()
+  endif()
+  get_property(names DIRECTORY PROPERTY TESTS)
+  foreach(name IN LISTS names)
+    get_test_property(${name} LABELS labels)
+    if("mpi" IN_LIST labels)
+      set_property(TEST ${name} APPEND PROPERTY ENVIRONMENT_MODIFICATION
+                   "ASAN_OPTIONS=string_append::fast_unwind_on_malloc=0")
+    endif()
+  endforeach()
+endfunction()
