@@ -461,7 +461,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   const bool early = !verr && (cached || in->num_worst_tokens > 0);
   if (!verr) {
     in->allocator = b.allocator.get();
-    in->poison = env::poison_outputs();
+    in->poison = b.poison;
     in->workers = &b.workers;
     in->counters = &b.counters;
     if (!cached) {
@@ -582,7 +582,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   }
   if (!verr) {
     const Handle::Impl& hd = *in->handle;
-    in->poison = env::poison_outputs();
+    in->poison = b.poison;
     in->workers = &b.workers;
     in->counters = &b.counters;
     out->combined_x = b.allocator->allocate(in->dtype, {hd.num_tokens, in->hidden});

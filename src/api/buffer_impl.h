@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "api/comm_context.h"
+#include "common/env.h"
 #include "engine/combine.h"
 #include "engine/dispatch.h"
 #include "engine/internode.h"
@@ -34,6 +35,9 @@ struct Buffer::Impl : detail::CommContext {
   engine::WorkerPool workers;  // copy threads (Config::num_threads), started when a call first needs them
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // handles hold a weak_ptr
   bool destroyed = false;
+  // EPCOMM_POISON_OUTPUTS, read once when the Buffer is created (a getenv on every call cost more than a
+  // 1-token call's bookkeeping in processes with large environments).
+  const bool poison = env::poison_outputs();
   std::once_flag masks_once;
   std::shared_ptr<ll::MaskState> masks;  // low-latency rank masks (ll::mask_state creates them)
 

@@ -273,7 +273,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   }
   if (!verr) {
     in->allocator = b.allocator.get();
-    in->poison = env::poison_outputs();
+    in->poison = b.poison;
     in->workers = &b.workers;
     in->counters = &b.counters;
     out->handle = std::make_shared<Handle::Impl>();
@@ -438,7 +438,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     verr = Error(e.code(), b.prefix("low_latency_combine", s) + e.what());
   }
   if (!verr) {
-    in->poison = env::poison_outputs();
+    in->poison = b.poison;
     in->workers = &b.workers;
     in->counters = &b.counters;
     out->combined_x =

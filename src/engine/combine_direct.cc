@@ -203,7 +203,7 @@ DirectCombine::DirectCombine(OpContext& ctx, const CombineInput& in, CombineOutp
   // per core, a helper descheduled in the middle of a chunk holds its origin up for longer than sharing
   // gains (docs/performance.md, "Shared reduction when oversubscribed"). All R ranks are on this host
   // (direct: one node).
-  const int sharing = env::combine_sharing();
+  static const int sharing = env::combine_sharing();  // read once: a getenv per call is not free
   share_ = R_ > 1 && (sharing < 0 ? !env::ranks_outnumber_cores(R_, 2) : sharing == 1);
 }
 
