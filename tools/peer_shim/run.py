@@ -45,6 +45,13 @@ PEERS = {
                       extra_files=["tests/python/deepep/utils.py"])],
         args=lambda r, total: ["--num-processes", str(r), "--num-tokens", "32", "--hidden", "1024",
                                "--num-topk", "4", "--num-experts", str(4 * total)],
+        # Tests whose flags differ from the low-latency test's. test_normal_and_low_latency.py's defaults (16
+        # processes, 4096 normal tokens, 1000 loops) exhaust 24 GiB; it has no --num-tokens.
+        test_args={
+            "tests/python/deepep/test_normal_and_low_latency.py": lambda r, total: [
+                "--num-processes", str(r), "--normal-num-tokens", "512", "--low-latency-num-tokens", "32",
+                "--test-loop", "20"],
+        },
     ),
 }
 
@@ -166,7 +173,8 @@ def main():
 
     if a.nodes < 1:
         sys.exit(f"run.py: --nodes {a.nodes}: expected at least 1")
-    args = ([] if a.no_default_args else peer["args"](a.ranks, a.ranks * a.nodes)) + rest
+    default_args = peer.get("test_args", {}).get(a.test or layout["test"], peer["args"])
+    args = ([] if a.no_default_args else default_args(a.ranks, a.ranks * a.nodes)) + rest
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([HERE, a.epcomm] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("EPCOMM_FLAVOR", peer["flavor"])
