@@ -321,7 +321,9 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   } else if (a.return_recv_hook) {
     if (auto e = st->wait_sent()) std::rethrow_exception(e);
   }
-  LowLatencyDispatchResult r = o->result;
+  // A finished synchronous call's outputs are handed over (copying them would copy every tensor's shape);
+  // an asynchronous one may still be filling them on the communication thread.
+  LowLatencyDispatchResult r = async ? o->result : std::move(o->result);
   r.handle = std::make_shared<const Handle>(out->handle);
   r.event = EventOverlap(st);
   return r;
@@ -452,7 +454,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   else
     st = launch_masked_combine(b, s, verr, a.async_finish, in, out);
   LowLatencyCombineResult r;
-  r.combined_x = out->combined_x;
+  r.combined_x = a.async_finish ? out->combined_x : std::move(out->combined_x);  // as in the dispatch
   r.event = EventOverlap(st);
   return r;
 }
