@@ -127,19 +127,12 @@ void touch_pages(const uint8_t* p, size_t bytes) {
     (void)*static_cast<volatile const uint8_t*>(p + off);
 }
 
-void warm_peer_range(uint8_t* p, size_t bytes) {
+// `for_writing`: this rank will write rows there (page-table entries made writable), else only read them.
+void warm_peer_range(uint8_t* p, size_t bytes, bool for_writing) {
   if (!bytes) return;
-#ifdef MADV_POPULATE_WRITE
-  (void)madvise(p, bytes, MADV_POPULATE_WRITE);  // older kernels: the loads below fault the entries in
-#endif
-  touch_pages(p, bytes);
-}
-
-// The same for a range this rank only reads.
-void warm_peer_range_for_reading(uint8_t* p, size_t bytes) {
-  if (!bytes) return;
-#ifdef MADV_POPULATE_READ
-  (void)madvise(p, bytes, MADV_POPULATE_READ);
+#if defined(MADV_POPULATE_WRITE) && defined(MADV_POPULATE_READ)
+  // Older kernels: the loads below fault the entries in.
+  (void)madvise(p, bytes, for_writing ? MADV_POPULATE_WRITE : MADV_POPULATE_READ);
 #endif
   touch_pages(p, bytes);
 }
@@ -305,10 +298,7 @@ void ShmTransport::map_peer(int r, const SegmentRef& ref, int pfd, size_t total)
     // The peer wrote its reserve through: map those pages here now, not one fault at a time in the first
     // dispatch that writes rows into them (or the first combine that reads rows from them).
     const size_t reserve = std::min<uint64_t>(ref.arena_reserve, ref.arena_bytes);
-    if (arena_req_.peers_write)
-      warm_peer_range(arenas_[r], reserve);
-    else
-      warm_peer_range_for_reading(arenas_[r], reserve);
+    warm_peer_range(arenas_[r], reserve, arena_req_.peers_write);
   }
 }
 
