@@ -19,14 +19,17 @@ namespace epcomm::detail {
 // point, pointers, types with their own operator<<) through a stream.
 template <typename T>
 void append_streamed(std::string& s, const T& v) {
-  if constexpr (std::is_convertible_v<const T&, std::string_view>) {
+  if constexpr (std::is_pointer_v<T> && std::is_convertible_v<const T&, std::string_view>) {
+    s.append(v ? std::string_view(v) : std::string_view("(null)"));  // a stream would drop the rest
+  } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
     s.append(std::string_view(v));
   } else if constexpr (std::is_same_v<T, char> || std::is_same_v<T, signed char> ||
                        std::is_same_v<T, unsigned char>) {
     s.push_back(static_cast<char>(v));  // as a character, like the stream
   } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
     char buf[24];
-    s.append(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+    const char* end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+    s.append(buf, static_cast<size_t>(end - buf));
   } else {
     std::ostringstream os;
     os << v;

@@ -41,7 +41,8 @@ static int usage() {
 // Segments of this run: their names carry the launcher's pid (bootstrap unique ids start with it).
 static int count_shm_entries() {
   int n = 0;
-  const std::string mark = "-" + std::to_string(getpid()) + "-";
+  std::string mark = "-";  // (appended: GCC 12 warns a false -Wrestrict on "-" + std::string)
+  mark += std::to_string(getpid()) + "-";
   if (DIR* d = opendir("/dev/shm")) {
     while (dirent* e = readdir(d))
       if (std::strncmp(e->d_name, "epcomm-", 7) == 0 && std::strstr(e->d_name, mark.c_str())) ++n;

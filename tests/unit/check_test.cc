@@ -37,6 +37,9 @@ TEST(Cat, CharactersTextAndTheRestAsTheStreamWritesThem) {
   const int value = 3;
   EXPECT_LIKE_STREAM(&value, static_cast<const void*>(nullptr));
   EXPECT_EQ(detail::cat("rank ", 3, ": ", dtype_name(DType::bf16), shape_str({2, 3})), "rank 3: bf16[2, 3]");
+  // A null C string (which a stream treats as an error, dropping everything after it) reads "(null)".
+  const char* none = nullptr;
+  EXPECT_EQ(detail::cat("name ", none, " here"), "name (null) here");
 }
 
 }  // namespace
