@@ -87,6 +87,30 @@ struct Kwargs {
     if (s.empty()) return std::nullopt;
     return parse_dtype(s);
   }
+  // A list of ints (absent or None: empty).
+  void int_list(const char* name, std::vector<int>& out) const {
+    if (!has(name)) return;
+    py::object v = d[name];
+    if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v))
+      invalid(std::string("argument: ") + name + ": expected a list of ints, got " + type_name(v));
+    out.clear();
+    for (py::handle e : v) {
+      if (!py::isinstance<py::int_>(e) || py::isinstance<py::bool_>(e))
+        invalid(std::string("argument: ") + name + ": expected a list of ints, got an element of type " +
+                type_name(py::reinterpret_borrow<py::object>(e)));
+      out.push_back(e.cast<int>());
+    }
+  }
+  // live_ranks as far as it is usable (to reach the live peers when the call fails before it was read).
+  std::vector<int> lenient_list(const char* name) const {
+    std::vector<int> v;
+    try {
+      int_list(name, v);
+    } catch (const std::exception&) {
+      v.clear();
+    }
+    return v;
+  }
   // A float parameter (an int or a float; not a bool).
   std::optional<double> number(const char* name) const {
     if (!has(name)) return std::nullopt;
@@ -101,6 +125,7 @@ moe::OpOptions op_options(const Kwargs& k) {
   moe::OpOptions o;
   k.string("strict_hardware_limits", o.strict_hardware_limits);
   k.integer("hccl_buffsize_mb", o.hccl_buffsize_mb);
+  k.int_list("live_ranks", o.live_ranks);
   if (std::optional<double> s = k.number("timeout")) {
     if (!std::isfinite(*s) || *s <= 0 || *s > 1e9)
       invalid("argument: timeout: expected a finite number of seconds in (0, 1e9], got " +
@@ -128,8 +153,9 @@ void read_collectively(Group& ep, Group* tp, const char* op, const Kwargs& k, Re
     err = Error(ErrorCode::InvalidUsage, std::string("argument: ") + e.what());
   }
   const int64_t tp_world_size = k.lenient("tp_world_size");
+  const std::vector<int> live = k.lenient_list("live_ranks");
   py::gil_scoped_release nogil;
-  moe::fail_call(ep, tp, op, tp_world_size, err->code(), err->what());
+  moe::fail_call(ep, tp, op, tp_world_size, err->code(), err->what(), live);
 }
 
 Group* tp_of(const py::object& tp) {
@@ -278,13 +304,27 @@ void bind_ops(py::module_& m) {
   m.def(
       "moe_fail_call",
       [](const std::shared_ptr<Group>& ep, const py::object& tp, const std::string& op, int64_t tp_world_size,
-         const std::string& message) {
+         const std::string& message, const std::vector<int>& live_ranks) {
         Group* tpg = tp_of(tp);
         py::gil_scoped_release nogil;
-        moe::fail_call(*ep, tpg, op, tp_world_size, ErrorCode::InvalidUsage, message);
+        moe::fail_call(*ep, tpg, op, tp_world_size, ErrorCode::InvalidUsage, message, live_ranks);
       },
       py::arg("ep_group"), py::arg("tp_group"), py::arg("op"), py::arg("tp_world_size"), py::arg("message"),
-      "Fails the operator call `op` on every rank (moe::fail_call): raises InvalidUsageError here.");
+      py::arg("live_ranks") = std::vector<int>{},
+      "Fails the operator call `op` on every rank (moe::fail_call), or on the call's live_ranks: raises "
+      "InvalidUsageError here.");
+  m.def(
+      "moe_agree_on_mask",
+      [](const std::shared_ptr<Group>& ep, const std::vector<int32_t>& masked,
+         std::optional<double> timeout_s) {
+        moe::OpOptions o;
+        if (timeout_s)
+          o.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(*timeout_s * 1000.0)));
+        py::gil_scoped_release nogil;
+        return moe::agree_on_mask(*ep, masked, o);
+      },
+      py::arg("ep_group"), py::arg("masked"), py::arg("timeout_s") = py::none(),
+      "moe::agree_on_mask: the shrink agreement round among the unmasked ranks; returns the new mask.");
   m.def(
       "moe_init_group_context",
       [](const std::shared_ptr<Group>& g, int64_t segment_bytes, std::optional<double> timeout_s,

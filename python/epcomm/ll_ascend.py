@@ -60,8 +60,8 @@ class LowLatencyHandle(NamedItems):
 class _Meta:
     """What combine needs from the dispatch besides the handle's items."""
 
-    __slots__ = ("owner", "ids", "sent_ids", "mask", "masked", "T", "K", "rows", "global_bs", "shared_ranks",
-                 "format", "combine_buffer")
+    __slots__ = ("owner", "ids", "sent_ids", "mask", "masked", "T", "K", "L", "t_max", "rows", "global_bs",
+                 "shared_ranks", "format", "combine_buffer", "widen")
 
 
 class _State:
@@ -119,36 +119,177 @@ def _ranks_per_node(buffer):
     return p if all(buffer.node_of(r) == r // p for r in range(R)) else 0
 
 
-def _check_no_shrink(buffer, op):
-    """The operators this flavor runs on (dispatch_v2 / combine_v2) span every rank of their group, so a rank
-    that stopped cannot be left out of a call: shrink is the deepep flavor's (docs/low-latency.md, "Masks and
-    shrink"). Rank masks work (_apply_masks) as long as every rank keeps calling."""
-    if getattr(buffer, "enable_shrink", False):
-        raise InvalidUsageError(f"{_prefix(buffer, op)}enable_shrink=True is not available in flavor 'ascend' "
-                                f"(its operators span every rank, so a stopped rank cannot be left out); rank "
-                                f"masks work while every rank keeps calling")
+def _check_masks_usable(buffer, shared_ranks, pre):
+    """Rank masks and shrink need the operators to run among some ranks only (one node), and no shared-expert
+    ranks (their replicas would have to be renumbered too)."""
+    shrink = bool(getattr(buffer, "enable_shrink", False))
+    if shrink and buffer.num_nodes > 1:
+        raise InvalidUsageError(f"{pre}enable_shrink=True works on one node only; this Buffer spans "
+                                f"{buffer.num_nodes} nodes")
+    if shared_ranks and (shrink or any(buffer._impl.low_latency_query_mask_buffer())):
+        raise InvalidUsageError(f"{pre}rank masks and enable_shrink with shared expert ranks "
+                                f"(MOE_SHARED_EXPERT_RANK_NUM = {shared_ranks}) are not available in flavor "
+                                f"'ascend'; clear the mask (low_latency_clean_mask_buffer) or use no shared "
+                                f"expert ranks")
 
 
-def _apply_masks(buffer, ids, L, shared_ranks, pre):
-    """The ids this rank sends with the Buffer's rank mask (low_latency_update_mask_buffer) applied, and the
-    mask: slots of experts on masked ranks become -1 (absent), and a masked rank sends nothing (all -1). Every
-    rank still takes part in the operators; a masked one receives no rows and combines to +0."""
-    masked = tuple(int(m) for m in buffer._impl.low_latency_query_mask_buffer())
+class _Among:
+    """The ranks one call runs among (docs/low-latency.md, "Masks and shrink"), decided in call order: the
+    Buffer's mask after the shrink agreement. `masked`: [R] 0/1; `ranks`: the real ranks of the operator call,
+    ascending (the unmasked ones on one node, only this rank when it is masked itself; every rank across nodes,
+    where masked ranks keep calling), or None when no rank is masked (the plain call)."""
+
+    __slots__ = ("masked", "ranks")
+
+    def __init__(self, masked, ranks):
+        self.masked, self.ranks = masked, ranks
+
+    def active(self, r):
+        return not self.masked[r]
+
+    @property
+    def narrowed(self):
+        """Whether the call runs among fewer ranks than the Buffer has (its ranks are renumbered)."""
+        return self.ranks is not None and len(self.ranks) < len(self.masked)
+
+    def kw(self, me, L, t_max):
+        """The operator arguments that count the call's ranks (none when it runs among all of them)."""
+        if not self.narrowed:
+            return {}
+        W = len(self.ranks)
+        return dict(ep_world_size=W, ep_rank_id=self.ranks.index(me), live_ranks=list(self.ranks),
+                    moe_expert_num=W * L, global_bs=W * t_max)
+
+
+def _among(buffer, st):
+    """The ranks of the next call, on the thread that runs the calls in order: with enable_shrink first the
+    agreement round among the unmasked ranks (moe_agree_on_mask on the operator group), whose newly masked
+    ranks are added to the Buffer's mask (a warning names them)."""
+    R, me = buffer.num_ranks, buffer.rank
+    masked = [int(m) for m in buffer._impl.low_latency_query_mask_buffer()]
+    if getattr(buffer, "enable_shrink", False) and buffer.num_nodes == 1:
+        agreed = _C.moe_agree_on_mask(st.c, masked, buffer.timeout_s)
+        for r in range(R):
+            if agreed[r] and not masked[r]:
+                buffer._impl.low_latency_update_mask_buffer(r, True)
+        masked = [int(m) for m in agreed]
+    masked = tuple(masked)
     if not any(masked):
-        return ids, masked
-    if shared_ranks:
-        raise InvalidUsageError(f"{pre}rank masks with shared expert ranks (EPCOMM_SHARED_EXPERT_RANK_NUM = "
-                                f"{shared_ranks}) are not available in flavor 'ascend'; clear the mask "
-                                f"(low_latency_clean_mask_buffer) or use no shared expert ranks")
-    if masked[buffer.rank]:
-        return torch.full_like(ids, -1), masked
-    live = torch.tensor([not m for m in masked])
+        return _Among(masked, None)
+    if buffer.num_nodes > 1:
+        return _Among(masked, tuple(range(R)))
+    if masked[me]:
+        return _Among(masked, (me,))
+    return _Among(masked, tuple(r for r in range(R) if not masked[r]))
+
+
+def _sent_ids(ids, among, me, L):
+    """ids (real numbering, -1 absent) with the pairs to masked ranks' experts made absent (all of them when
+    this rank is masked: it sends nothing)."""
+    if among.ranks is None:
+        return ids
+    if among.masked[me]:
+        return torch.full_like(ids, -1)
+    live = torch.tensor([not m for m in among.masked])
     keep = (ids < 0) | live[ids.clamp(min=0) // L]
-    return torch.where(keep, ids, torch.full_like(ids, -1)), masked
+    return torch.where(keep, ids, torch.full_like(ids, -1))
+
+
+def _renumber(ids, among, R, L):
+    """Real expert ids (-1 absent) in the numbering of the call's ranks: expert j of the v-th rank of the call
+    is v*L + j; experts of ranks outside the call must be absent already."""
+    if among.ranks is None or len(among.ranks) == R:
+        return ids
+    table = torch.full((R * L + 1,), -1, dtype=torch.int32)  # index 0 stands for -1
+    for v, r in enumerate(among.ranks):
+        table[r * L + 1:(r + 1) * L + 1] = torch.arange(v * L, (v + 1) * L, dtype=torch.int32)
+    return table[(ids + 1).long()]
+
+
+def _widen_counts(op_counts, ranks, R, L):
+    """A [L*W] inclusive prefix over blocks j*W + v (the call's ranks) as the [L*R] prefix over the real
+    ranks' blocks j*R + s (ranks outside the call add nothing)."""
+    W = len(ranks)
+    per = torch.diff(op_counts.to(torch.int64), prepend=op_counts.new_zeros(1, dtype=torch.int64)).view(L, W)
+    real = torch.zeros(L, R, dtype=torch.int64)
+    real[:, list(ranks)] = per
+    return real.view(-1).cumsum(0).to(torch.int32)
+
+
+def _narrow_counts(layout_range, ranks, R, L, keep_src):
+    """The [L*R] real prefix as the [L*W] prefix of the call's ranks, counting only the sources keep_src
+    allows ([R] bool)."""
+    per = torch.diff(layout_range.to(torch.int64),
+                     prepend=layout_range.new_zeros(1, dtype=torch.int64)).view(L, R)
+    per = per * keep_src.to(torch.int64).view(1, R)
+    return per[:, list(ranks)].reshape(-1).cumsum(0).to(torch.int32)
+
+
+def _dispatch_among(buffer, st, kw, meta):
+    """The operator arguments of a dispatch among the ranks decided now (_among). Sets the handle's meta:
+    sent_ids (real numbering), mask, masked, and widen (the call's ranks and the counts tensor it writes) when
+    the call runs among fewer ranks, whose outputs _widen_dispatch renumbers afterwards."""
+    R, me, L = buffer.num_ranks, buffer.rank, meta.L
+    among = _among(buffer, st)
+    sent = _sent_ids(meta.ids, among, me, L)
+    absent = sent < 0
+    mask = ~absent if bool(absent.any()) else None
+    meta.sent_ids, meta.mask, meta.masked, meta.widen = sent, mask, among.masked, None
+    if not among.narrowed:
+        return dict(kw, expert_ids=sent, x_active_mask=mask)
+    op_counts = torch.empty(len(among.ranks) * L, dtype=torch.int32)
+    meta.widen = (among.ranks, op_counts)
+    return dict(kw, expert_ids=_renumber(sent, among, R, L), x_active_mask=mask, ep_recv_counts_out=op_counts,
+                **among.kw(me, L, meta.t_max))
+
+
+def _widen_dispatch(buffer, meta, handle):
+    """After a dispatch among fewer ranks: layout_range and the sources in src_info in the real numbering."""
+    ranks, op_counts = meta.widen
+    handle.layout_range.copy_(_widen_counts(op_counts, ranks, buffer.num_ranks, meta.L))
+    n_own = int(op_counts[-1]) if op_counts.numel() else 0
+    if n_own:
+        src = handle.src_info[:3 * n_own:3]
+        src.copy_(torch.tensor(ranks, dtype=torch.int32)[src.long()])
+
+
+def _combine_among(buffer, st, kw, meta, handle):
+    """The operator arguments of a combine among the ranks decided now. With the dispatch's mask and every rank
+    in the call, the handle's items as they are; else the pairs whose holder and origin are both unmasked now:
+    this rank returns the rows of its sources that are (a copy of them when some are left out), renumbered to
+    the call's ranks, and expects rows for its slots whose holders are."""
+    R, me, L = buffer.num_ranks, buffer.rank, meta.L
+    if meta.sent_ids is None:
+        raise InvalidUsageError(f"{_prefix(buffer, 'low_latency_combine')}argument: handle: its dispatch did not "
+                                f"complete (it raised); dispatch again")
+    among = _among(buffer, st)
+    if among.masked == meta.masked and not among.narrowed:
+        return dict(kw, expert_ids=meta.sent_ids, x_active_mask=meta.mask)
+    sent = _sent_ids(meta.sent_ids, among, me, L)
+    absent = sent < 0
+    mask = ~absent if bool(absent.any()) else None
+    ranks = among.ranks if among.ranks is not None else tuple(range(R))
+    keep_src = torch.tensor([among.active(r) and among.active(me) for r in range(R)])
+    lr = handle.layout_range
+    n_own = int(lr[-1]) if lr.numel() else 0
+    trip = handle.src_info[:3 * n_own].view(-1, 3)
+    keep = keep_src[trip[:, 0].long()]
+    rows = kw["expand_x"]
+    if bool(keep.all()):
+        assist = trip.clone()
+    else:
+        idx = keep.nonzero().squeeze(1)
+        assist, rows = trip[idx], rows[idx]
+    if among.narrowed:
+        inv = torch.full((R,), -1, dtype=torch.int32)
+        inv[list(ranks)] = torch.arange(len(ranks), dtype=torch.int32)
+        assist[:, 0] = inv[assist[:, 0].long()]
+    return dict(kw, expand_x=rows, expert_ids=_renumber(sent, among, R, L), x_active_mask=mask,
+                assist_info_for_combine=assist.reshape(-1), ep_send_counts=_narrow_counts(lr, ranks, R, L, keep_src),
+                **among.kw(me, L, meta.t_max))
 
 
 def _state(buffer, op):
-    _check_no_shrink(buffer, op)
     st = getattr(buffer, "_ll_ascend_state", None)
     if st is None or st.closed:
         if getattr(buffer, "_destroyed", False):
@@ -179,10 +320,11 @@ def shutdown(buffer):
         st.shutdown()
 
 
-def _prepared(st, core_op, pre, prepare):
+def _prepared(buffer, st, core_op, pre, prepare):
     """Runs the local checks `prepare` (which returns the call's plan). Whatever they raise fails the call on
-    every rank of the group (moe_fail_call: InvalidUsageError here, AbortedError quoting it on the peers),
-    after the calls already queued on the worker, so that no rank falls a call behind its peers."""
+    every rank of the group, or the ranks it runs among (moe_fail_call: InvalidUsageError here, AbortedError
+    quoting it on the peers), after the calls already queued on the worker, so that no rank falls a call
+    behind its peers."""
     try:
         return prepare()
     except Error as e:
@@ -192,7 +334,9 @@ def _prepared(st, core_op, pre, prepare):
     if not message.startswith(pre):
         message = pre + message
     st.drain()
-    _C.moe_fail_call(st.c, None, core_op, 0, message)
+    among = _among(buffer, st)
+    live = list(among.ranks) if among.narrowed else []
+    _C.moe_fail_call(st.c, None, core_op, 0, message, live)
     raise InvalidUsageError(message)  # not reached: moe_fail_call raises
 
 
@@ -313,10 +457,8 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         rows = t_max * -(-R // s_r) if shared else R * t_max * min(K, L)
         mode, y_dtype = FORMATS[fmt]
 
+        _check_masks_usable(buffer, s_r, pre)
         ids = topk_idx.clamp(min=-1).to(torch.int32).contiguous()  # a copy: negative ids become -1
-        sent, masked = _apply_masks(buffer, ids, L, s_r, pre)
-        absent = sent < 0
-        mask = ~absent if bool(absent.any()) else None
 
         send = x
         if fmt == "mx_fp4_e2m1":
@@ -365,7 +507,7 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             fscales = torch.empty(rows * G, dtype=torch_dtype("e8m0"))
             recv_x, post = (fcodes, fscales), ("fp4", fcodes, fscales)
 
-        kw = dict(x=send, expert_ids=sent, x_active_mask=mask, expert_scales=w, ep_world_size=R, ep_rank_id=rank,
+        kw = dict(x=send, expert_ids=ids, x_active_mask=None, expert_scales=w, ep_world_size=R, ep_rank_id=rank,
                   moe_expert_num=E, tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
                   shared_expert_num=1 if s_r else 0, shared_expert_rank_num=s_r, quant_mode=mode,
                   global_bs=R * t_max, expert_token_nums_type=0 if prefix_sums else 1, y_dtype=y_dtype,
@@ -373,8 +515,9 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                   expert_token_nums_out=token_nums, ep_recv_counts_out=ep_counts,
                   expand_scales_out=expand_scales if w is not None else None, hccl_buffsize_mb=200)
         meta = _Meta()
-        meta.owner, meta.ids, meta.sent_ids, meta.mask, meta.T, meta.K = st.token, ids, sent, mask, T, K
-        meta.masked = masked
+        # sent_ids, mask and masked are set when the call runs (its ranks are decided then).
+        meta.owner, meta.ids, meta.T, meta.K, meta.L, meta.t_max = st.token, ids, T, K, L, t_max
+        meta.sent_ids = meta.mask = meta.masked = meta.widen = None
         meta.rows, meta.global_bs, meta.shared_ranks, meta.format = rows, R * t_max, s_r, fmt
         meta.combine_buffer = None
         handle = LowLatencyHandle((assist, ep_counts, t_max, H, E, token_nums, expand_scales), meta)
@@ -383,13 +526,16 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                     f"{R * t_max}), num_experts={E}, hidden={H}, format {fmt} (dispatch_v2 quant_mode {mode}); "
                     f"expert_ids = topk_idx")
         return dict(kw=kw, post=post, stats=stats, prefix_sums=prefix_sums, recv_x=recv_x, H=H, G=G,
-                    token_nums=token_nums, handle=handle, note=note, flags=(af, rh))
+                    token_nums=token_nums, handle=handle, note=note, flags=(af, rh), meta=meta)
 
-    p = _prepared(st, "dispatch_v2", pre, prepare)
+    p = _prepared(buffer, st, "dispatch_v2", pre, prepare)
     c = st.c
 
     def call():
-        _C.moe_dispatch_v2(c, None, p["kw"])
+        meta = p["meta"]
+        _C.moe_dispatch_v2(c, None, _dispatch_among(buffer, st, p["kw"], meta))
+        if meta.widen is not None:
+            _widen_dispatch(buffer, meta, p["handle"])
         post = p["post"]
         if post is not None and post[0] == "compact":
             dyn = p["kw"]["dynamic_scales_out"]
@@ -468,12 +614,7 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
             raise InvalidUsageError(f"{pre}argument: topk_idx: differs from the dispatch's at [{t}, {k}]: "
                                     f"{int(topk_idx[t, k])}, the dispatch had {int(meta.ids[t, k])}")
         w = _weights(topk_weights, T, K, "topk_weights", pre, True)
-        now = tuple(int(m) for m in buffer._impl.low_latency_query_mask_buffer())
-        if now != meta.masked:
-            raise InvalidUsageError(f"{pre}the rank mask changed between this handle's dispatch (masked ranks "
-                                    f"{[r for r, m in enumerate(meta.masked) if m]}) and its combine (now "
-                                    f"{[r for r, m in enumerate(now) if m]}); in flavor 'ascend' the combine "
-                                    f"returns the dispatch's rows: dispatch again under the new mask")
+        _check_masks_usable(buffer, meta.shared_ranks, pre)
         if zero_copy:
             if meta.combine_buffer is None:
                 raise InvalidUsageError(f"{pre}argument: zero_copy: True, but the combine buffer of this handle "
@@ -498,19 +639,20 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
             result = torch.empty(T, H, dtype=torch.bfloat16)
         target = result if result.is_contiguous() else torch.empty(T, H, dtype=torch.bfloat16)
         s_r = meta.shared_ranks
-        kw = dict(expand_x=src, expert_ids=meta.sent_ids, assist_info_for_combine=handle.src_info,
+        # expert_ids and x_active_mask are set when the call runs (_combine_among).
+        kw = dict(expand_x=src, assist_info_for_combine=handle.src_info,
                   ep_send_counts=handle.layout_range, expert_scales=w, ep_world_size=buffer.num_ranks,
-                  ep_rank_id=buffer.rank, moe_expert_num=handle.num_experts, x_active_mask=meta.mask,
+                  ep_rank_id=buffer.rank, moe_expert_num=handle.num_experts,
                   tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1 if s_r else 0,
                   shared_expert_rank_num=s_r, global_bs=meta.global_bs, comm_quant_mode=0, x_out=target,
                   hccl_buffsize_mb=200)
-        return dict(kw=kw, result=result, target=target, flags=(af, rh))
+        return dict(kw=kw, result=result, target=target, flags=(af, rh), meta=meta)
 
-    p = _prepared(st, "combine_v2", pre, prepare)
+    p = _prepared(buffer, st, "combine_v2", pre, prepare)
     c = st.c
 
     def call():
-        _C.moe_combine_v2(c, None, p["kw"])
+        _C.moe_combine_v2(c, None, _combine_among(buffer, st, p["kw"], p["meta"], handle))
         if p["target"] is not p["result"]:
             p["result"].copy_(p["target"])
 

@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "api/distribute_v2_args.h"
+#include "api/low_latency_masks.h"
 #include "api/moe_context.h"
 #include "api/setup_log.h"
 #include "common/check.h"
@@ -29,9 +30,27 @@ using engine::OpKind;
 
 struct Stage {
   GroupContext* group = nullptr;
+  std::unique_ptr<ll::MaskView> view;  // OpOptions::live_ranks: the group's transport seen through them
   std::unique_ptr<OpContext> ctx;
   explicit operator bool() const { return ctx != nullptr; }
 };
+
+// Why OpOptions::live_ranks cannot be used by this call, or "" when it can (or is empty).
+std::string live_ranks_problem(const GroupContext& g, const std::vector<int>& live, bool with_tp) {
+  if (live.empty()) return {};
+  if (g.inter) return "argument: live_ranks: a call among some ranks needs a group on one node";
+  if (with_tp) return "argument: live_ranks: not available with a TP pair (tp_world_size = 2)";
+  const int R = g.transport->size();
+  bool me = false;
+  for (size_t i = 0; i < live.size(); ++i) {
+    if (live[i] < 0 || live[i] >= R || (i > 0 && live[i] <= live[i - 1]))
+      return epcomm::detail::cat("argument: live_ranks: expected ascending ranks in [0, ", R, "), got ",
+                                 live[i], " at index ", i);
+    me = me || live[i] == g.rank;
+  }
+  if (!me) return epcomm::detail::cat("argument: live_ranks: must include this rank (", g.rank, ")");
+  return {};
+}
 
 // "epcomm[ep e] op#n: " (with " tp t" for a TP pair, " (warm-up)" for the context's creation calls).
 std::string label(const char* op, uint64_t seq, int ep, int tp, bool with_tp, bool warm_up) {
@@ -48,7 +67,7 @@ struct Call {
   std::unique_lock<std::mutex> ep_lock, tp_lock;
 
   Call(OpKind k, const char* op, Group& ep_group, Group* tp_group, int64_t tp_world_size,
-       const std::optional<std::chrono::milliseconds>& timeout)
+       const std::optional<std::chrono::milliseconds>& timeout, const std::vector<int>& live = {})
       : kind(k) {
     GroupContext& eg = context_of(ep_group);
     const bool with_tp = tp_world_size == 2 && tp_group && tp_group->size() == 2;
@@ -63,15 +82,26 @@ struct Call {
     // A failed group is not used again (its peers see its failure notice); the other group gets a failed
     // header so that its peers do not wait for this call.
     std::string refused;
+    ErrorCode refused_code = ErrorCode::Aborted;
+    const std::string live_problem = live_ranks_problem(eg, live, with_tp);
     if (const std::string f = eg.failed(); !f.empty()) {
       refused = "the ep group failed earlier: " + f;
     } else {
       ep.group = &eg;
-      ep.ctx = std::make_unique<OpContext>(*eg.transport, eg.segment.engine, seq, k, tt, eg.inter.get());
+      Transport* among = eg.transport.get();
+      if (!live.empty() && live_problem.empty()) {
+        ep.view =
+            std::make_unique<ll::MaskView>(*eg.transport, std::vector<int32_t>(live.begin(), live.end()));
+        among = ep.view.get();
+      }
+      ep.ctx = std::make_unique<OpContext>(*among, eg.segment.engine, seq, k, tt, eg.inter.get());
       ep.ctx->set_naming(prefix, "ep rank");
       eg.name_call(*ep.ctx);
     }
-    ErrorCode refused_code = ErrorCode::Aborted;
+    if (refused.empty() && !live_problem.empty()) {
+      refused = live_problem;
+      refused_code = ErrorCode::InvalidUsage;
+    }
     if (tg) {
       const uint64_t tseq = ++tg->seq;
       if (tg->inter) {  // the TP stages exchange through one node's shared memory
@@ -157,7 +187,7 @@ void zero_unwritten_rows(const detail::DispatchPlan& plan, const engine::v2::Dis
 }  // namespace
 
 DispatchV2Result dispatch_v2(Group& ep_group, Group* tp_group, const DispatchV2Args& a, const OpOptions& o) {
-  Call call(OpKind::dispatch_v2, "dispatch_v2", ep_group, tp_group, a.tp_world_size, o.timeout);
+  Call call(OpKind::dispatch_v2, "dispatch_v2", ep_group, tp_group, a.tp_world_size, o.timeout, o.live_ranks);
   detail::DispatchPlan plan;
   try {
     detail::prepare_dispatch(ep_group, tp_group, a, o, plan);
@@ -228,7 +258,7 @@ void run_combine(Call& call, Group& ep_group, Group* tp_group, const CombineV2Ar
 }  // namespace
 
 Tensor combine_v2(Group& ep_group, Group* tp_group, const CombineV2Args& a, const OpOptions& o) {
-  Call call(OpKind::combine_v2, "combine_v2", ep_group, tp_group, a.tp_world_size, o.timeout);
+  Call call(OpKind::combine_v2, "combine_v2", ep_group, tp_group, a.tp_world_size, o.timeout, o.live_ranks);
   detail::CombinePlan plan;
   run_combine(call, ep_group, tp_group, a, nullptr, o, plan);
   return plan.x;
@@ -237,21 +267,46 @@ Tensor combine_v2(Group& ep_group, Group* tp_group, const CombineV2Args& a, cons
 CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group, const CombineAddRmsNormArgs& a,
                                              const OpOptions& o) {
   Call call(OpKind::combine_add_rms_norm, "combine_add_rms_norm", ep_group, tp_group, a.tp_world_size,
-            o.timeout);
+            o.timeout, o.live_ranks);
   detail::CombinePlan plan;
   run_combine(call, ep_group, tp_group, a, &a, o, plan);
   return {plan.y, plan.rstd, plan.x};
 }
 
+std::vector<int32_t> agree_on_mask(Group& ep_group, const std::vector<int32_t>& masked, const OpOptions& o) {
+  GroupContext& g = context_of(ep_group);
+  std::unique_lock<std::mutex> lock(g.call);
+  const uint64_t seq = ++g.seq;
+  const std::string prefix = label("agree_on_mask", g.shown_seq(seq), g.rank, 0, false, g.warming_up);
+  const int R = ep_group.size();
+  EPCOMM_CHECK(!g.inter, prefix, "rank masks of the operators work on one node only; this group spans ",
+               g.num_nodes, " nodes");
+  EPCOMM_CHECK(static_cast<int>(masked.size()) == R, prefix, "argument: masked: expected ", R,
+               " entries (one per rank), got ", masked.size());
+  for (size_t r = 0; r < masked.size(); ++r)
+    EPCOMM_CHECK(masked[r] == 0 || masked[r] == 1, prefix, "argument: masked[", r, "]: expected 0 or 1, got ",
+                 masked[r]);
+  if (masked[g.rank]) return masked;
+  if (const std::string f = g.failed(); !f.empty())
+    EPCOMM_THROW(Aborted, prefix, "the ep group failed earlier: ", f);
+  const double t = o.timeout ? std::chrono::duration<double>(*o.timeout).count() : g.timeout_s;
+  OpContext ctx(*g.transport, g.segment.engine, seq, OpKind::low_latency_clean, t);
+  ctx.set_naming(prefix, "ep rank");
+  g.name_call(ctx);
+  const std::vector<uint8_t> agreed =
+      ll::agree_on_mask(ctx, std::vector<uint8_t>(masked.begin(), masked.end()), t);
+  return std::vector<int32_t>(agreed.begin(), agreed.end());
+}
+
 void fail_call(Group& ep_group, Group* tp_group, const std::string& op, int64_t tp_world_size, ErrorCode code,
-               const std::string& message) {
+               const std::string& message, const std::vector<int>& live_ranks) {
   static const std::pair<const char*, OpKind> kOps[] = {
       {"dispatch_v2", OpKind::dispatch_v2},
       {"combine_v2", OpKind::combine_v2},
       {"combine_add_rms_norm", OpKind::combine_add_rms_norm}};
   for (const auto& [name, kind] : kOps) {
     if (op != name) continue;
-    Call call(kind, name, ep_group, tp_group, tp_world_size, std::nullopt);
+    Call call(kind, name, ep_group, tp_group, tp_world_size, std::nullopt, live_ranks);
     call.fail_validation(Error(code, message));
   }
   EPCOMM_THROW(InvalidUsage, "epcomm[ep ", ep_group.rank(),

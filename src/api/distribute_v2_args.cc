@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -96,11 +97,21 @@ Tensor output(const std::optional<Tensor>& given, const char* name, DType dtype,
 }
 
 // docs/distribute-v2.md group and layout rules; T = 2 also needs L = 1.
-Layout check_layout(Group& ep, Group* tp, const LayoutArgs& c, int64_t bs, int K) {
-  EPCOMM_CHECK(c.W >= 1 && c.W == ep.size(), "argument: ep_world_size: expected the ep_group size ",
-               ep.size(), ", got ", c.W);
-  EPCOMM_CHECK(c.ep_rank == ep.rank(), "argument: ep_rank_id: expected the rank in ep_group ", ep.rank(),
-               ", got ", c.ep_rank);
+// (size, rank) of the call in its EP group: the group's, or among OpOptions::live_ranks (Call checked them).
+std::pair<int, int> ep_extent(Group& ep, const std::vector<int>& live) {
+  if (live.empty()) return {ep.size(), ep.rank()};
+  const auto at = std::find(live.begin(), live.end(), ep.rank());
+  return {static_cast<int>(live.size()), static_cast<int>(at - live.begin())};
+}
+
+Layout check_layout(Group& ep, Group* tp, const LayoutArgs& c, int64_t bs, int K,
+                    const std::vector<int>& live) {
+  const auto [size, rank] = ep_extent(ep, live);
+  const char* among = live.empty() ? "the ep_group size " : "the number of live_ranks ";
+  EPCOMM_CHECK(c.W >= 1 && c.W == size, "argument: ep_world_size: expected ", among, size, ", got ", c.W);
+  EPCOMM_CHECK(c.ep_rank == rank, "argument: ep_rank_id: expected ",
+               live.empty() ? "the rank in ep_group " : "this rank's index in live_ranks ", rank, ", got ",
+               c.ep_rank);
   EPCOMM_CHECK(c.tp_world_size >= 0 && c.tp_world_size <= 2,
                "argument: tp_world_size: expected 0, 1 or 2, got ", c.tp_world_size);
   if (c.tp_world_size == 2) {
@@ -456,7 +467,7 @@ void prepare_dispatch(Group& ep, Group* tp, const DispatchV2Args& a, const OpOpt
   const LayoutArgs c{a.ep_world_size, a.ep_rank_id,        a.moe_expert_num,    a.tp_world_size,
                      a.tp_rank_id,    a.expert_shard_type, a.shared_expert_num, a.shared_expert_rank_num,
                      a.global_bs};
-  const Layout lay = check_layout(ep, tp, c, routing.bs, routing.K);
+  const Layout lay = check_layout(ep, tp, c, routing.bs, routing.K, o.live_ranks);
   check_absent(a.elastic_info, "elastic_info");
   check_absent(a.performance_info, "performance_info");
   EPCOMM_CHECK(!a.x_dtype, "argument: x_dtype: not supported by epcomm yet (must be absent)");
@@ -531,7 +542,7 @@ void prepare_combine(Group& ep, Group* tp, const CombineV2Args& a, const Combine
   const LayoutArgs c{a.ep_world_size, a.ep_rank_id,        a.moe_expert_num,    a.tp_world_size,
                      a.tp_rank_id,    a.expert_shard_type, a.shared_expert_num, a.shared_expert_rank_num,
                      a.global_bs};
-  const Layout lay = check_layout(ep, tp, c, routing.bs, routing.K);
+  const Layout lay = check_layout(ep, tp, c, routing.bs, routing.K, o.live_ranks);
   const int me = static_cast<int>(a.ep_rank_id);
   const int64_t bs = routing.bs;
   const int K = lay.K;

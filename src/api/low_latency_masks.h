@@ -56,6 +56,8 @@ class MaskView final : public Transport {
   std::string describe() const override { return base_.describe(); }
   std::shared_ptr<OutputArena> output_arena() const override { return base_.output_arena(); }
   uint8_t* arena(int r) const override { return base_.arena(live_[r]); }
+  int group_rank(int r) const override { return base_.group_rank(live_[r]); }
+  bool partial() const override { return true; }
 
  private:
   Transport& base_;

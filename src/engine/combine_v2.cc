@@ -355,9 +355,9 @@ void CombineV2Call::check_row_counts() {
       const int32_t* pc = peer_counts(ctx, s);
       sum += pc[count_origin(W, o)];
       if (pc[count_max_token(W, o)] > tokens_of[o])
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_word(),
-                     " ", s, " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ",
-                     ctx.peer_word(), " ", o, ", which has Bs = ", tokens_of[o], " tokens");
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: assist_info_for_combine of ", ctx.peer_name(s),
+                     " returns a row for token ", pc[count_max_token(W, o)] - 1, " of ", ctx.peer_name(o),
+                     ", which has Bs = ", tokens_of[o], " tokens");
     }
     const int64_t want = peer_counts(ctx, o)[count_expected(W)];
     if (sum != want) throw_row_count_mismatch(o, want, sum);
@@ -368,8 +368,8 @@ void CombineV2Call::check_row_counts() {
   std::string senders;
   for (int s = 0; s < W; ++s)
     if (const int32_t n = peer_counts(ctx, s)[count_origin(W, o)])
-      senders += detail::cat(senders.empty() ? "" : ", ", ctx.peer_word(), " ", s, ": ", n);
-  EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", o, " expects ", want,
+      senders += detail::cat(senders.empty() ? "" : ", ", ctx.peer_name(s), ": ", n);
+  EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_name(o), " expects ", want,
                " rows (active slots of its x_active_mask and expert_ids, plus ", S,
                " shared per active token) but the ranks return ", sum, " (",
                senders.empty() ? "none" : senders,
@@ -461,9 +461,9 @@ void CombineV2Call::fill_row(int o, int64_t w, int64_t t0, int32_t i) {
   }
   const uint64_t old = tag_at(o, idx)->exchange(stamp(seq, w, me), std::memory_order_acq_rel);
   if (stamp_is(old, seq, w))
-    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", stamp_writer(old),
-                 " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_word(),
-                 " ", o, " (duplicate row)");
+    EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_name(stamp_writer(old)),
+                 " and this rank both return a row for (t=", t, ", slot=", slot, ") of ", ctx.peer_name(o),
+                 " (duplicate row)");
 }
 
 // Clears the slots of our next window and tells the contributors (internode: the proxies of the nodes that
@@ -499,22 +499,22 @@ void CombineV2Call::gather_remote(int64_t w, int64_t n_slots) {
     const int64_t count = *reinterpret_cast<const int32_t*>(base);
     const int32_t* ent = reinterpret_cast<const int32_t*>(base + 8);
     const uint8_t* rows_at = base + compact_head(count);
-    EPCOMM_CHECK_INTERNAL(count >= 0 && count <= n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
-                          inter->topo.rail(n), " (proxy on node ", n, ") returned ", count,
-                          " rows for window ", w, " of ", n_slots, " slots");
+    EPCOMM_CHECK_INTERNAL(count >= 0 && count <= n_slots, ctx.prefix(),
+                          "internal: ", ctx.peer_name(inter->topo.rail(n)), " (proxy on node ", n,
+                          ") returned ", count, " rows for window ", w, " of ", n_slots, " slots");
     for (int64_t e = 0; e < count; ++e) {
       const int32_t idx = ent[2 * e], writer = ent[2 * e + 1];
-      EPCOMM_CHECK_INTERNAL(idx >= 0 && idx < n_slots, ctx.prefix(), "internal: ", ctx.peer_word(), " ",
-                            inter->topo.rail(n), " (proxy on node ", n, ") returned slot ", idx,
-                            " outside window ", w);
+      EPCOMM_CHECK_INTERNAL(idx >= 0 && idx < n_slots, ctx.prefix(),
+                            "internal: ", ctx.peer_name(inter->topo.rail(n)), " (proxy on node ", n,
+                            ") returned slot ", idx, " outside window ", w);
       const uint64_t local = tag_at(me, idx)->load(std::memory_order_acquire);
       const int other = remote_row[idx]                ? remote_writer[idx]
                         : stamp_is(local, seq, w)      ? stamp_writer(local)
                         : own_in_place && own_row[idx] ? me
                                                        : -1;
       if (other >= 0)
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", other, " and ",
-                     ctx.peer_word(), " ", writer, " both return a row for (t=", w * per_window + idx / slots,
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_name(other), " and ",
+                     ctx.peer_name(writer), " both return a row for (t=", w * per_window + idx / slots,
                      ", slot=", idx % slots, ") of this rank (duplicate row)");
       remote_row[idx] = rows_at + static_cast<size_t>(e) * geo.row_stride;
       remote_writer[idx] = writer;
@@ -540,7 +540,7 @@ int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0, TokenScratch& 
     }
     if (own_in_place && own_row[idx]) {
       if (arrived)
-        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", writer,
+        EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_name(writer),
                      " and this rank both return a row for (t=", t, ", slot=", s,
                      ") of this rank (duplicate row)");
       arrived = true;
@@ -549,7 +549,7 @@ int CombineV2Call::collect_rows(int64_t w, int64_t t, int64_t t0, TokenScratch& 
     }
     const bool wanted = act && (s >= K || in.ids[t * K + s] >= 0);
     if (arrived && !wanted)
-      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_word(), " ", writer,
+      EPCOMM_THROW(InvalidUsage, ctx.prefix(), "argument: ", ctx.peer_name(writer),
                    " returned a row for (t=", t, ", slot=", s, "), which is not active on this rank (",
                    act ? "expert_ids / x_active_mask slot" : "masked token", ")");
     if (!arrived && wanted)
@@ -577,8 +577,8 @@ const uint8_t* CombineV2Call::row_in_place(int writer, const uint8_t* slot, int6
   int64_t row;
   std::memcpy(&row, slot, sizeof(row));
   EPCOMM_CHECK_INTERNAL(row >= 0 && row < rows_of[writer] && in_x[writer], ctx.prefix(),
-                        "internal: ", ctx.peer_word(), " ", writer, " named row ", row, " of its ",
-                        rows_of[writer], " for (t=", t, ", slot=", s, ")");
+                        "internal: ", ctx.peer_name(writer), " named row ", row, " of its ", rows_of[writer],
+                        " for (t=", t, ", slot=", s, ")");
   return in_x[writer] + static_cast<size_t>(row) * row_bytes;
 }
 

@@ -67,7 +67,7 @@ void check_params(const OpContext& ctx, OpKind op, const std::vector<int>& field
     if (r == me) continue;
     const HeaderData* h = ctx.header(r);
     if (h->op != static_cast<uint32_t>(op)) {
-      report += detail::cat(report.empty() ? "" : "; ", ctx.peer_word(), " ", r, " is in ",
+      report += detail::cat(report.empty() ? "" : "; ", ctx.peer_name(r), " is in ",
                             op_kind_name(static_cast<OpKind>(h->op)), "#", ctx.shown(ctx.seq()), " (ours ",
                             op_kind_name(op), ")");
       continue;
@@ -81,7 +81,7 @@ void check_params(const OpContext& ctx, OpKind op, const std::vector<int>& field
     };
     for (int p : fields) compare(p);
     if (bs_matters && mine[kParamGlobalBs] == 0 && theirs[kParamGlobalBs] == 0) compare(kParamBs);
-    if (!diff.empty()) report += detail::cat(report.empty() ? "" : "; ", ctx.peer_word(), " ", r, ": ", diff);
+    if (!diff.empty()) report += detail::cat(report.empty() ? "" : "; ", ctx.peer_name(r), ": ", diff);
   }
   if (!report.empty())
     EPCOMM_THROW(InvalidUsage, ctx.prefix(), "mismatch: peers disagree with this rank: ", report);

@@ -46,8 +46,8 @@ struct StagedWindow {
       // Never read outside the lane: a window announced without having landed whole (which the network
       // prevents) must not be walked.
       if (win.count < 0 || win.count > geo.window)
-        EPCOMM_THROW(Aborted, ctx.prefix(), "the forwarded window ", w, " of ", ctx.peer_word(), " ", s,
-                     " claims ", win.count, " tokens, more than a window holds (", geo.window,
+        EPCOMM_THROW(Aborted, ctx.prefix(), "the forwarded window ", w, " of ", ctx.peer_name(s), " claims ",
+                     win.count, " tokens, more than a window holds (", geo.window,
                      "): its data did not land whole");
       return win;
     }

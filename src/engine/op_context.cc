@@ -19,7 +19,12 @@ OpContext::OpContext(Transport& tp, const SegmentLayout& layout, uint64_t seq, O
       op_(op),
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
       timeout_s_(timeout_s),
-      inter_(inter) {}
+      inter_(inter) {
+  // A call of this rank alone in a view over some ranks (it is masked): nobody reads its header, and were it
+  // written into the segment, this rank, which waits for nobody, could overwrite the header of an earlier
+  // call (a failed one) before the peers of that call read it.
+  if (!inter && size_ == 1 && tp.partial()) own_header_.assign(layout_.header_bytes, 0);
+}
 
 void OpContext::notify(int r) const {
   if (!inter_) return tp_.notify(r);
@@ -172,7 +177,7 @@ void OpContext::exchange_headers(const std::function<void(bool& progressed)>& me
   for (int r = 0; r < size_; ++r) {
     const HeaderData* h = header(r);
     if (h->failed)
-      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r,
+      EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_name(r),
                    " failed this call: ", std::string(h->message, strnlen(h->message, kMessageBytes)));
   }
 }
@@ -193,8 +198,8 @@ int OpContext::find_local_peer(process::State state, const std::vector<int>& pee
     if (tp_.peer_process(tp_index(r), &pid) != state) continue;
     lost_rank_ = r;
     lost_reason_ = state == process::State::gone
-                       ? detail::cat(peer_word_, " ", r, " died: its process ", pid, " exited or was killed")
-                       : detail::cat(peer_word_, " ", r, " is stopped: its process ", pid,
+                       ? detail::cat(peer_name(r), " died: its process ", pid, " exited or was killed")
+                       : detail::cat(peer_name(r), " is stopped: its process ", pid,
                                      " is held by SIGSTOP or a debugger");
     return r;
   }
@@ -227,7 +232,7 @@ void OpContext::check_peers_alive() const {
       raise_lost();
     }
     saw_peer_failure_ = true;
-    EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_word_, " ", r, " failed: ", message);
+    EPCOMM_THROW(Aborted, prefix(), "peer failure: ", peer_name(r), " failed: ", message);
   }
 }
 
@@ -246,8 +251,7 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
   std::ostringstream body;  // what the peers that hear of it quote: naming the one awaited peer
   body << "timeout: no progress for " << timeout_s_ << " s in phase '" << phase << "'; still waiting for ";
   for (size_t i = 0; i < peers.size(); ++i) {
-    body << (i ? ", " : "") << peer_word_ << " " << peers[i] << " (last call seen: #"
-         << shown(last_seq_seen(peers[i]));
+    body << (i ? ", " : "") << peer_name(peers[i]) << " (last call seen: #" << shown(last_seq_seen(peers[i]));
     // A rank on another node is heard of through its rail peer here, which may be the one that is stuck.
     if (remote(peers[i])) {
       const int via = inter_->topo.proxy_of(peers[i]);
@@ -255,7 +259,7 @@ void OpContext::raise_timeout(const char* phase, const std::vector<int>& peers) 
       if (via == rank_)
         body << "this " << peer_word_ << "'s rail peer";
       else
-        body << "reached through " << peer_word_ << " " << via;
+        body << "reached through " << peer_name(via);
     }
     body << ")";
   }

@@ -55,6 +55,8 @@ class OpContext {
     peer_word_ = std::move(peer_word);
   }
   const std::string& peer_word() const { return peer_word_; }
+  // "rank 3": how messages name call rank r (its rank in the group when the call runs among some ranks).
+  std::string peer_name(int r) const { return detail::cat(peer_word_, " ", tp_.group_rank(r)); }
   // Messages number calls from the caller's first: `base` calls before it were the creation's own
   // (a Buffer's warm-up), so call `base + n` is shown as #n.
   void number_calls_after(uint64_t base) { shown_base_ = base; }
@@ -207,6 +209,7 @@ class OpContext {
   int tp_index(int r) const { return inter_ ? inter_->topo.local_index[r] : r; }
   uint8_t* seg(int r) const { return tp_.segment(tp_index(r)); }
   HeaderData* header_slot(int r, uint64_t seq) const {
+    if (!own_header_.empty()) return reinterpret_cast<HeaderData*>(own_header_.data());
     if (remote(r))
       return reinterpret_cast<HeaderData*>(lane_base(inter_->topo.proxy_of(r), node_of(r)) +
                                            inter_->lane.headers + (seq % 2) * inter_->lane.header_bytes);
@@ -235,6 +238,7 @@ class OpContext {
   mutable Clock::time_point next_watch_{};
   std::string label_, peer_word_ = "rank";
   Internode* inter_ = nullptr;
+  mutable std::vector<uint8_t> own_header_;  // this rank's header when it runs alone in a view (see the ctor)
 };
 
 // Drains the network's writes (OpContext::drain_writes) when it goes out of scope: declare it after the

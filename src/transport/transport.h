@@ -49,6 +49,11 @@ class Transport {
     (void)pid;
     return process::State::running;
   }
+  // The rank that messages name for transport rank `rank`: itself, except in a view over some ranks of
+  // another transport (a call among the live ranks of a group), which names the group's rank.
+  virtual int group_rank(int rank) const { return rank; }
+  // Whether this is such a view (its segments are also used by calls among other sets of ranks).
+  virtual bool partial() const { return false; }
   // A short description for EPCOMM_LOG=info: "shm (memfd, spin 20000)", ...
   virtual std::string describe() const = 0;
 

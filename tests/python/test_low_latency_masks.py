@@ -1,6 +1,6 @@
-"""Rank masks and shrink of low-latency mode, flavor "deepep" (docs/low-latency.md, "Masks and shrink";
-spec low-latency.md §5), against the reference of test_low_latency_deepep with the masked ranks' experts
-absent: a masked rank sends nothing and receives nothing, pairs to its experts are dropped (recv_count counts
+"""Rank masks and shrink of low-latency mode (docs/low-latency.md, "Masks and shrink"; spec low-latency.md
+§5), flavor "deepep" against the reference of test_low_latency_deepep and flavor "ascend" against that of
+test_low_latency_ascend, with the masked ranks' experts absent: a masked rank sends nothing and receives nothing, pairs to its experts are dropped (recv_count counts
 only live sources' pairs, combine sums only live experts' outputs)."""
 import pytest
 import torch
@@ -104,10 +104,6 @@ def test_shrink_masks_a_rank_that_never_calls():
 
 def body_no_shrink(rank, R, seed, t_max, H, E, K):
     x, idx = inputs(seed, rank, 3, H, E, K)
-    # Flavor ascend: its operators span every rank, so shrink (leaving a stopped rank out) raises.
-    asc = epcomm.Buffer(None, low_latency_mode=True, flavor="ascend", enable_shrink=True)
-    with pytest.raises(epcomm.InvalidUsageError, match="enable_shrink=True is not available in flavor 'ascend'"):
-        asc.low_latency_dispatch(x, idx, t_max, E, use_fp8=False)
     buf = epcomm.Buffer(None, low_latency_mode=True, flavor="deepep", timeout_s=1.0)
     if rank == 1:
         return
@@ -115,48 +111,130 @@ def body_no_shrink(rank, R, seed, t_max, H, E, K):
         buf.low_latency_dispatch(x, idx, t_max, E, use_fp8=False)
 
 
-def test_without_shrink_a_missing_rank_is_a_timeout_naming_it_and_ascend_refuses_shrink():
+def test_without_shrink_a_missing_rank_is_a_timeout_naming_it():
     spawn(body_no_shrink, 2, 7, 4, 128, 4, 2)
 
 
+# ---- flavor ascend ---------------------------------------------------------------------------------------
 
-def body_ascend_masks(rank, R):
-    """Flavor ascend, every rank calling: rank 2 masked on every rank sends and receives nothing, pairs to its
-    experts are absent (checked against the ascend reference with those slots -1), it combines to +0; a mask
-    changed between a dispatch and its combine raises."""
+ASC = dict(E=6, K=2, H=128, T_max=4)
+
+
+def without(ids, gone, L):
+    """ids with the pairs to experts of the ranks in `gone` absent, and every slot of a rank in `gone`."""
+    return [torch.full_like(i, -1) if s in gone else
+            torch.where((i >= 0) & torch.isin(i.clamp(min=0) // L, torch.tensor(sorted(gone))), torch.full_like(i, -1), i)
+            for s, i in enumerate(ids)]
+
+
+def ascend_round_trip(buf, rank, R, problem, gone):
+    """A bf16 dispatch (checked: rows, counts, handle) and its combine (bitwise) with `gone` masked."""
     import ll_reference as ref
     import test_low_latency_ascend as asc
-    E, K, H, T_max = 6, 2, 128, 4
+    E, K, H, T_max = ASC["E"], ASC["K"], ASC["H"], ASC["T_max"]
     L = E // R
-    xs, ids, ws, ys = asc.make_problem(R, E, K, H, [T_max, 3, T_max], 11)
-    eff = [torch.full_like(i, -1) if s == 2 else torch.where((i >= 0) & (i // L == 2), torch.full_like(i, -1), i)
-           for s, i in enumerate(ids)]
-    buf = asc.new_buffer()
-    buf.low_latency_update_mask_buffer(2, True)
-    assert mask_of(buf, R) == {2}
-    cache = {}
-    for fmt in ("bf16", "int8"):
-        w = ws[rank] if fmt != "int8" else None
-        out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=w,
-                                       quant_mode=None if fmt == "bf16" else fmt, use_fp8=fmt != "bf16")
-        asc.check_dispatch(out, fmt, rank, R, E, K, H, T_max, xs, eff, ws if w is not None else None, cache)
-        if rank == 2:
-            assert out[1].tolist() == [0] * L
+    xs, ids, ws, ys = problem
+    eff = without(ids, gone, L)
     out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
+    asc.check_dispatch(out, "bf16", rank, R, E, K, H, T_max, xs, eff, ws, {})
+    if rank in gone:
+        assert out[1].tolist() == [0] * L
     rows, _, _ = ref.rows_of(rank, eff, E, R)
     y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
     y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
-    assert same_bits(y, asc.expect_combine(rank, eff, ws, ys, H)), f"rank {rank}: combine with rank 2 masked"
-    if rank == 2:
+    assert same_bits(y, asc.expect_combine(rank, eff, ws, ys, H)), f"rank {rank}: combine with {gone} masked"
+    if rank in gone:
         assert same_bits(y, torch.zeros_like(y))
+    return out, y_in
+
+
+def body_ascend_masks(rank, R):
+    """Flavor ascend, one node: the operators run among the unmasked ranks. Rank 2, masked on every rank,
+    calls too (it runs alone: receives nothing, combines to +0), then falls behind by more than the deadline
+    (nothing is awaited from it); a rank masked between a dispatch and its combine is left out of that
+    combine (its pairs absent, its own tokens +0); the cleaned mask brings everyone back."""
+    import time
+    import torch.distributed as dist
+    import ll_reference as ref
+    import test_low_latency_ascend as asc
+    E, K, H, T_max = ASC["E"], ASC["K"], ASC["H"], ASC["T_max"]
+    L = E // R
+    problem = asc.make_problem(R, E, K, H, [T_max, 3, T_max], 11)
+    xs, ids, ws, ys = problem
+    buf = asc.new_buffer(timeout_s=1.0)
+    # Rank 0 masked: the call runs among ranks 1 and 2, and a failure there names the real rank.
     buf.low_latency_update_mask_buffer(0, True)
-    with pytest.raises((epcomm.InvalidUsageError, epcomm.AbortedError), match="rank mask changed"):
-        buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
-    buf.low_latency_clean_mask_buffer()
+    if rank == 2:
+        with pytest.raises(epcomm.InvalidUsageError, match="num_max_dispatch_tokens_per_rank"):
+            buf.low_latency_dispatch(torch.cat([xs[2]] * 2), torch.cat([ids[2]] * 2), T_max, E, use_fp8=False)
+    elif rank == 1:
+        with pytest.raises(epcomm.AbortedError, match=r"rank 2\b"):
+            buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, use_fp8=False)
+    else:  # masked itself: runs alone
+        assert buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, use_fp8=False)[1].tolist() == [0] * L
+    buf.low_latency_update_mask_buffer(0, False)
+    buf.low_latency_update_mask_buffer(2, True)
+    assert mask_of(buf, R) == {2}
+    cache = {}
+    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, quant_mode="int8")
+    asc.check_dispatch(out, "int8", rank, R, E, K, H, T_max, xs, without(ids, {2}, L), None, cache)
+    ascend_round_trip(buf, rank, R, problem, {2})
+    if rank == 2:
+        time.sleep(1.5)  # past the others' deadline: they must not wait for it
+    ascend_round_trip(buf, rank, R, problem, {2})
+    # Rank 0 masked between a dispatch and its combine.
+    rows, _, _ = ref.rows_of(rank, without(ids, {2}, L), E, R)
+    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
     out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
-    asc.check_dispatch(out, "bf16", rank, R, E, K, H, T_max, xs, ids, ws, cache)
+    buf.low_latency_update_mask_buffer(0, True)
+    y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
+    assert same_bits(y, asc.expect_combine(rank, without(ids, {0, 2}, L), ws, ys, H)), \
+        f"rank {rank}: combine with rank 0 masked after its dispatch"
+    assert mask_of(buf, R) == {0, 2}
+    dist.barrier()  # rank 2 catches up before every rank is needed again
+    buf.low_latency_clean_mask_buffer()
+    assert mask_of(buf, R) == set()
+    ascend_round_trip(buf, rank, R, problem, set())
     buf.destroy()
 
 
-def test_ascend_masks_with_every_rank_calling():
+def test_ascend_masks_among_the_live_ranks():
     spawn(body_ascend_masks, 3)
+
+
+def body_ascend_shrink(rank, R, stopped):
+    """Flavor ascend with enable_shrink: rank `stopped` takes part in one round trip, then stops calling; the
+    others mask it at the next dispatch's deadline, agree, and complete; clean_low_latency_buffer keeps the
+    mask."""
+    import test_low_latency_ascend as asc
+    E, K, H, T_max = ASC["E"], ASC["K"], ASC["H"], ASC["T_max"]
+    problem = asc.make_problem(R, E, K, H, [T_max, 2, T_max], 5)
+    buf = asc.new_buffer(timeout_s=1.0, enable_shrink=True)
+    ascend_round_trip(buf, rank, R, problem, set())
+    if rank == stopped:
+        return
+    ascend_round_trip(buf, rank, R, problem, {stopped})
+    assert mask_of(buf, R) == {stopped}
+    buf.clean_low_latency_buffer(T_max, H, E)
+    assert mask_of(buf, R) == {stopped}
+    ascend_round_trip(buf, rank, R, problem, {stopped})
+
+
+def test_ascend_shrink_masks_a_rank_that_stops_calling():
+    spawn(body_ascend_shrink, 3, 1)
+
+
+def body_ascend_shrink_refusals(rank, R):
+    """enable_shrink with shared-expert ranks raises in flavor ascend, naming the variable."""
+    import os
+    import test_low_latency_ascend as asc
+    os.environ["MOE_SHARED_EXPERT_RANK_NUM"] = "1"
+    buf = asc.new_buffer(enable_shrink=True)
+    x = torch.randn(2, 128).bfloat16()
+    idx = torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(epcomm.InvalidUsageError, match="MOE_SHARED_EXPERT_RANK_NUM"):
+        buf.low_latency_dispatch(x, idx, 4, 2, use_fp8=False)
+
+
+def test_ascend_shrink_refuses_shared_expert_ranks():
+    spawn(body_ascend_shrink_refusals, 3)

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "epcomm/error.h"
 #include "epcomm/group.h"
@@ -102,6 +103,12 @@ struct OpOptions {
   // Allocates the outputs the caller gives no *_out buffer for, once every argument has been checked;
   // default_allocator() when null.
   std::shared_ptr<Allocator> allocator;
+  // The ranks of ep_group the call runs among, ascending, this rank included; empty: every rank. The other
+  // ranks are neither sent to nor awaited (they may be gone). ep_world_size, ep_rank_id and moe_expert_num
+  // then count the live ranks only: call rank i is ep_group rank live_ranks[i], and errors name ep_group
+  // ranks. Every live rank passes the same list. One node, no TP pair (InvalidUsage otherwise). Low-latency
+  // mode's ascend flavor runs its rank masks on it (docs/low-latency.md, "Masks and shrink").
+  std::vector<int> live_ranks;
 };
 
 struct DispatchV2Args {
@@ -168,12 +175,24 @@ CombineAddRmsNormResult combine_add_rms_norm(Group& ep_group, Group* tp_group,
                                              const CombineAddRmsNormArgs& args,
                                              const OpOptions& options = {});
 
+// The shrink agreement round of low-latency mode's ascend flavor (docs/low-latency.md, "Masks and shrink"):
+// collective among the ranks of ep_group that `masked` ([size] of 0 / 1) leaves unmasked, on one node. Each
+// says it arrived and waits for the others up to the timeout (a peer whose process is gone is not waited
+// for), then each publishes the set it saw and waits for the sets of those ranks; the agreed live set is the
+// intersection. Returns `masked` with the ranks outside it added (a warning names them). Raises Timeout when
+// the others masked this rank. A rank masked in `masked` returns it unchanged at once (it still uses up the
+// group's call number, so that its calls stay in step with its peers'). Uses o.timeout only.
+std::vector<int32_t> agree_on_mask(Group& ep_group, const std::vector<int32_t>& masked,
+                                   const OpOptions& o = {});
+
 // For callers that check arguments before they can build the argument struct (a language binding): makes the
 // call `op` ("dispatch_v2", "combine_v2" or "combine_add_rms_norm") fail on every rank instead of leaving
 // this rank one call behind its peers. Takes the call's sequence number on ep_group (and on tp_group when
 // tp_world_size = 2), publishes a failed header there so that the peers' same call raises Aborted quoting
-// `message`, and throws Error(code, "<prefix><message>") here. The groups stay usable.
+// `message`, and throws Error(code, "<prefix><message>") here. The groups stay usable. `live_ranks`: the
+// call's OpOptions::live_ranks.
 [[noreturn]] void fail_call(Group& ep_group, Group* tp_group, const std::string& op, int64_t tp_world_size,
-                            ErrorCode code, const std::string& message);
+                            ErrorCode code, const std::string& message,
+                            const std::vector<int>& live_ranks = {});
 
 }  // namespace epcomm::moe
