@@ -148,6 +148,7 @@ void CombineCall::fill_header() {
   h.num_tokens = T_;
   h.expert_alignment = hd_.expert_alignment;
   h.handle_id = hd_.seq;
+  h.expert_block_rows = hd_.expert_block_rows;  // low-latency: checked against the peers' (call_checks.cc)
   std::copy(std::begin(in_.chunks), std::end(in_.chunks), h.chunks);
   // Shared x: the ranks of our node that reduce our rows (origins, and across nodes the proxies of remote
   // origins) read them in place; rows still cross the network only inside partials.

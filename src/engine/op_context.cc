@@ -106,6 +106,7 @@ HeaderData& OpContext::begin_header(OpKind op) {
   h->order = h->flags = 0;
   h->num_experts = h->num_topk = h->dtype = h->quant_mode = 0;
   h->hidden = h->row_bytes = h->num_tokens = h->expert_alignment = h->num_worst_tokens = 0;
+  h->expert_block_rows = 0;
   h->handle_id = 0;
   h->input_offset = h->weights_offset = -1;
   std::fill(std::begin(h->chunks), std::end(h->chunks), 0);

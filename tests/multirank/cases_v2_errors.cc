@@ -642,6 +642,91 @@ MR_CASE("v2_timeout_missing_rank", {false, 2}) {
                {"failed earlier", "timeout"});
 }
 
+MR_CASE("v2_live_ranks", {false, 3}) {
+  // OpOptions::live_ranks: rank 0 takes no part (it sleeps past the deadline) while the others run round
+  // trips among themselves (call rank i = group rank i + 1), checked against the reference for W = size - 1;
+  // a failure among them names group ranks; malformed lists and counts that ignore them are InvalidUsage.
+  const double timeout = 1.0;
+  V2Groups g = make_v2_groups(ctx, 0, 256 << 10, timeout);
+  if (ctx.rank == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(timeout * 1000) + 1500));
+    return;
+  }
+  std::vector<int> live;
+  for (int r = 1; r < ctx.size; ++r) live.push_back(r);
+  V2Groups among = g;
+  among.ep_rank = ctx.rank - 1;
+  for (uint64_t seed : {1, 2}) {
+    V2Run run;
+    run.spec = small_spec(ctx.size - 1);
+    run.spec.seed = seed;
+    run.options.live_ranks = live;
+    run_v2(among, run, "live ranks: ");
+  }
+  // Call rank 0 (group rank 1) passes an out-of-range expert id: the others name group rank 1.
+  V2Problem P = make_v2_problem(small_spec(ctx.size - 1));
+  moe::DispatchV2Args a = dispatch_args(P, ctx.rank - 1, 0);
+  std::vector<int32_t> bad(a.expert_ids.data_as<int32_t>(),
+                           a.expert_ids.data_as<int32_t>() + a.expert_ids.numel());
+  bad[0] = 12345;
+  moe::OpOptions o;
+  o.live_ranks = live;
+  if (ctx.rank == 1) {
+    a.expert_ids = Tensor::wrap(bad.data(), DType::i32, a.expert_ids.shape());
+    expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a, o); }, ErrorCode::InvalidUsage,
+                 {"expert id 12345"});
+  } else {
+    expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a, o); }, ErrorCode::Aborted,
+                 {"peer failure", "ep rank 1 failed", "expert id 12345"});
+  }
+  // A call among them again (it ends only once all of them have left the failed one, whose headers the
+  // failing calls below, which wait for nobody, could otherwise overwrite before a slow peer read them).
+  V2Run again;
+  again.spec = small_spec(ctx.size - 1);
+  again.options.live_ranks = live;
+  run_v2(among, again, "after the failure: ");
+  // Arguments (each rank alone: the list leaves out the others).
+  a = dispatch_args(P, ctx.rank - 1, 0);
+  moe::OpOptions alone;
+  alone.live_ranks = {ctx.rank};
+  expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a, alone); }, ErrorCode::InvalidUsage,
+               {"argument: ep_world_size: expected the number of live_ranks 1, got"});
+  moe::OpOptions without_me;
+  without_me.live_ranks = {ctx.rank == 1 ? 2 : 1};
+  expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a, without_me); }, ErrorCode::InvalidUsage,
+               {"argument: live_ranks: must include this rank"});
+  moe::OpOptions unordered;
+  unordered.live_ranks = {ctx.rank, ctx.rank};
+  expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a, unordered); }, ErrorCode::InvalidUsage,
+               {"argument: live_ranks: expected ascending ranks in [0, "});
+}
+
+MR_CASE("v2_agree_on_mask", {false, 3}) {
+  // moe::agree_on_mask: all arrive (nothing masked); a masked rank returns at once while the others agree;
+  // the last rank comes after the deadline: the others mask it, and it raises Timeout naming them.
+  const double timeout = 1.0;
+  V2Groups g = make_v2_groups(ctx, 0, 256 << 10, timeout);
+  const int last = ctx.size - 1;
+  std::vector<int32_t> none(ctx.size, 0);
+  REQUIRE(moe::agree_on_mask(*g.ep, none) == none, "all arrived, yet a rank was masked");
+  std::vector<int32_t> first = none;
+  first[0] = 1;
+  REQUIRE(moe::agree_on_mask(*g.ep, first) == first, "rank 0 masked beforehand: the mask changed");
+  if (ctx.rank == last) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(timeout * 1000) + 1500));
+    expect_error([&] { moe::agree_on_mask(*g.ep, none); }, ErrorCode::Timeout,
+                 {"agree_on_mask", "missed the low-latency deadline of ranks"});
+    return;
+  }
+  auto t0 = Clock::now();
+  std::vector<int32_t> want = none;
+  want[last] = 1;
+  REQUIRE(moe::agree_on_mask(*g.ep, none) == want, "rank ", last, " did not come, yet it is not masked");
+  REQUIRE(seconds_since(t0) < timeout + 1.5, "the agreement took ", seconds_since(t0), " s");
+  expect_error([&] { moe::agree_on_mask(*g.ep, {1}); }, ErrorCode::InvalidUsage,
+               {"argument: masked: expected ", "entries (one per rank), got 1"});
+}
+
 MR_CASE("v2_per_call_timeout", {false, 2}) {
   // OpOptions::timeout overrides the group's deadline (60 s here): rank 0 sleeps 3 s before calling, the
   // others give up after 1 s naming ep rank 0.

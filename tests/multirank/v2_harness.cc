@@ -158,7 +158,9 @@ void run_v2(V2Groups& g, const V2Run& run, const std::string& where_in) {
   const std::string where = epcomm::detail::cat(
       where_in, "[seed ", s.seed, " ep ", ep, " tp ", tp, " W ", s.W, " T ", s.T, " E ", s.E, " K ", s.K,
       " Sr ", s.shared_ranks, " H ", s.H, " mode ", s.quant_mode, " mask ", s.mask_dims, "] ");
-  REQUIRE(g.ep->size() == s.W, where, "the EP group has ", g.ep->size(), " ranks");
+  const int W =
+      run.options.live_ranks.empty() ? g.ep->size() : static_cast<int>(run.options.live_ranks.size());
+  REQUIRE(W == s.W, where, "the call has ", W, " EP ranks");
 
   // ---- dispatch ----
   moe::DispatchV2Args a = dispatch_args(P, ep, tp);

@@ -14,7 +14,7 @@ namespace epcomm::testing::v2 {
 // The groups of one test: the EP group (the world itself when T <= 1) and the TP pair.
 struct V2Groups {
   std::shared_ptr<Group> ep, tp;
-  int ep_rank = 0, tp_rank = 0;
+  int ep_rank = 0, tp_rank = 0;  // with V2Run::options.live_ranks: the index in them
   int T = 0;
 };
 // Collective: splits the world for tp_world_size = 2 and creates the contexts with `segment_bytes`.
