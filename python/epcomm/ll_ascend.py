@@ -7,6 +7,10 @@ dispatch_v2's expand_x: [R*T_max*min(K, L), H] rows in its EP receive order (loc
 token), valid rows first. combine: one combine_v2 call with expert_scales = topk_weights and the dispatch's ids,
 mask and layout (kept on the handle).
 
+Rank masks (docs/low-latency.md, "Masks and shrink"): on one node a call runs among the unmasked ranks only
+(the operators' live_ranks, ids and handle items renumbered around them), with enable_shrink after an
+agreement round on the operator group; across nodes every rank calls and masked pairs are sent as absent.
+
 Every Buffer gets its own epcomm.Group over the Buffer's process group (created collectively at its first LL
 call) and one worker thread: calls with return_recv_hook or async_finish run on it, in issue order; a call
 with neither waits for what is queued there and runs on the caller's thread."""

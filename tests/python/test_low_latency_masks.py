@@ -127,11 +127,11 @@ def without(ids, gone, L):
             for s, i in enumerate(ids)]
 
 
-def ascend_round_trip(buf, rank, R, problem, gone):
+def ascend_round_trip(buf, rank, R, problem, gone, shape=ASC):
     """A bf16 dispatch (checked: rows, counts, handle) and its combine (bitwise) with `gone` masked."""
     import ll_reference as ref
     import test_low_latency_ascend as asc
-    E, K, H, T_max = ASC["E"], ASC["K"], ASC["H"], ASC["T_max"]
+    E, K, H, T_max = shape["E"], shape["K"], shape["H"], shape["T_max"]
     L = E // R
     xs, ids, ws, ys = problem
     eff = without(ids, gone, L)
@@ -234,6 +234,40 @@ def body_ascend_shrink_refusals(rank, R):
     idx = torch.zeros(2, 1, dtype=torch.int64)
     with pytest.raises(epcomm.InvalidUsageError, match="MOE_SHARED_EXPERT_RANK_NUM"):
         buf.low_latency_dispatch(x, idx, 4, 2, use_fp8=False)
+
+
+def body_ascend_masks_across_nodes(rank, R):
+    """Flavor ascend over two virtual nodes: every rank keeps calling; rank 3 masked sends and receives
+    nothing, rank 0 masked between a dispatch and its combine is left out of that combine; shrink raises."""
+    import ll_reference as ref
+    import test_low_latency_ascend as asc
+    shape = dict(E=8, K=3, H=128, T_max=4)
+    E, K, H, T_max = shape["E"], shape["K"], shape["H"], shape["T_max"]
+    L = E // R
+    problem = asc.make_problem(R, E, K, H, [T_max, 3, 0, T_max], 21)
+    xs, ids, ws, ys = problem
+    buf = asc.new_buffer()
+    assert buf.num_nodes == 2
+    buf.low_latency_update_mask_buffer(3, True)
+    ascend_round_trip(buf, rank, R, problem, {3}, shape)
+    rows, _, _ = ref.rows_of(rank, without(ids, {3}, L), E, R)
+    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
+    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
+    buf.low_latency_update_mask_buffer(0, True)
+    y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
+    assert same_bits(y, asc.expect_combine(rank, without(ids, {0, 3}, L), ws, ys, H)), \
+        f"rank {rank}: combine with rank 0 masked after its dispatch"
+    for r in (0, 3):
+        buf.low_latency_update_mask_buffer(r, False)
+    ascend_round_trip(buf, rank, R, problem, set(), shape)
+    shrink = asc.new_buffer(enable_shrink=True)
+    with pytest.raises(epcomm.InvalidUsageError, match="enable_shrink=True works on one node only"):
+        shrink.low_latency_dispatch(xs[rank], ids[rank], T_max, E, use_fp8=False)
+    buf.destroy()
+
+
+def test_ascend_masks_across_nodes():
+    spawn(body_ascend_masks_across_nodes, 4, env={"EPCOMM_RANKS_PER_NODE": "2"})
 
 
 def test_ascend_shrink_refuses_shared_expert_ranks():
