@@ -240,6 +240,8 @@ class DispatchCall {
   void check_windows() const;  // 3. a segment that cannot hold one staged token
   void check_block_capacity(int d, const routing::ReceivePlan& p) const;
   void keep_my_starts(int d, const routing::ReceivePlan& p);
+  bool write_sparse_pairs(HeaderData& h) const;
+  const int32_t* pairs_of(int s, std::vector<int32_t>& dense) const;
   // Our rows are placed per expert of the receiver (expert_major with top-k), else as one run per receiver.
   bool by_expert() const { return in_.order == ReceiveOrder::expert_major && K_ > 0; }
   void set_up_outputs();  // 4. outputs, published to pushing senders, the handle's shape
@@ -481,7 +483,7 @@ void DispatchCall::fill_header() {
   if (!in_.cached) {
     h.num_counts = in_.num_experts + R_;
     int32_t* c = ctx_.counts(me_);
-    std::copy(in_.pairs_per_expert.begin(), in_.pairs_per_expert.end(), c);
+    if (!write_sparse_pairs(h)) std::copy(in_.pairs_per_expert.begin(), in_.pairs_per_expert.end(), c);
     std::copy(in_.tokens_per_rank.begin(), in_.tokens_per_rank.end(), c + in_.num_experts);
   }
   if (inter_) {  // the proxies learn from the counts which of their node's ranks pull our rows (cached too)
@@ -491,6 +493,38 @@ void DispatchCall::fill_header() {
     if (in_.cached) std::fill(c, c + in_.num_experts, 0);
     std::copy(tpr.begin(), tpr.end(), c + in_.num_experts);
   }
+}
+
+// Lists our non-zero pairs per expert in the header when they are few (kSparseCounts); false otherwise.
+bool DispatchCall::write_sparse_pairs(HeaderData& h) const {
+  int n = 0;
+  for (int e = 0; e < in_.num_experts; ++e) {
+    const int32_t c = in_.pairs_per_expert[e];
+    if (c == 0) continue;
+    if (n == kSparseCounts) return false;
+    h.sparse[2 * n] = e;
+    h.sparse[2 * n + 1] = c;
+    ++n;
+  }
+  h.num_sparse = n;
+  return true;
+}
+
+// Rank s's pairs per expert: ours, its counts array, or (listed sparsely in its header) a dense copy here.
+const int32_t* DispatchCall::pairs_of(int s, std::vector<int32_t>& dense) const {
+  if (s == me_) return in_.pairs_per_expert.data();
+  const HeaderData* h = ctx_.header(s);
+  if (h->num_sparse < 0) return ctx_.counts(s);
+  const size_t E = static_cast<size_t>(in_.num_experts);
+  int32_t* row = dense.data() + static_cast<size_t>(s) * E;
+  std::fill(row, row + E, 0);
+  for (int i = 0; i < h->num_sparse; ++i) {
+    const int32_t e = h->sparse[2 * i];
+    EPCOMM_CHECK_INTERNAL(e >= 0 && e < in_.num_experts, ctx_.prefix(), "internal: rank ", s,
+                          " listed expert ", e, " of ", in_.num_experts);
+    row[e] = h->sparse[2 * i + 1];
+  }
+  return row;
 }
 
 void DispatchCall::exchange_headers() {
@@ -524,8 +558,10 @@ void DispatchCall::plan_receives() {
   host_rows_ = in_.cached ? hd_->host_recv_rows : 0;
   if (in_.cached) return;
   std::vector<const int32_t*> pairs(R_), toks(R_);
+  thread_local std::vector<int32_t> dense;  // the sparsely listed sources' pairs, rebuilt (kept across calls)
+  dense.resize(static_cast<size_t>(R_) * in_.num_experts);
   for (int s = 0; s < R_; ++s) {
-    pairs[s] = ctx_.counts(s);
+    pairs[s] = pairs_of(s, dense);
     toks[s] = ctx_.counts(s) + in_.num_experts;
   }
   rows_matrix_.assign(static_cast<size_t>(R_) * R_, 0);

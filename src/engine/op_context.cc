@@ -111,6 +111,7 @@ HeaderData& OpContext::begin_header(OpKind op) {
   h->input_offset = h->weights_offset = -1;
   std::fill(std::begin(h->chunks), std::end(h->chunks), 0);
   h->num_counts = 0;
+  h->num_sparse = -1;
   h->message[0] = '\0';
   return *h;
 }

@@ -12,6 +12,10 @@ constexpr int kMaxExperts = 16384;  // counts capacity of a header slot
 constexpr int kMaxRanks = 1024;
 constexpr size_t kMessageBytes = 1024;
 constexpr size_t kAlign = 64;
+// A dispatch whose tokens reach at most this many experts also lists them in its header (HeaderData::sparse),
+// next to the fields its peers read anyway, and leaves the per-expert counts array unwritten: a decode step
+// then costs its peers a few cache lines of it instead of E / 16.
+constexpr int kSparseCounts = 16;
 
 inline size_t align64(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -67,6 +71,10 @@ struct HeaderData {
   // Combine, rank_major: where this rank's receiving-side weights start in its output arena, or -1.
   int64_t weights_offset;
   int32_t num_counts;  // entries of the counts array that follows: E pairs per expert, then R tokens per rank
+  // Dispatch: >= 0: the non-zero pairs per expert are these (expert, count) pairs, and the counts array's
+  // first E entries are not written; -1: read them there.
+  int32_t num_sparse;
+  int32_t sparse[2 * kSparseCounts];
   char message[kMessageBytes];
 };
 
