@@ -159,11 +159,14 @@ void OpContext::exchange_headers(const std::function<void(bool& progressed)>& me
         if (meanwhile) meanwhile(progressed);
         for (int r = 0; r < size_; ++r) {
           if (arrived[r]) continue;
-          if (header(r)->seq.load(std::memory_order_acquire) == seq_) {
+          const uint64_t seen = header(r)->seq.load(std::memory_order_acquire);
+          if (seen == seq_) {
             arrived[r] = 1;
             arrival_order_.push_back(r);
             --missing;
             progressed = true;
+          } else if (seen > seq_) {  // its header of a later call is in our call's slot: it left ours
+            raise_left_early(r, seen);
           }
         }
         return missing == 0;
@@ -206,6 +209,14 @@ int OpContext::find_local_peer(process::State state, const std::vector<int>& pee
     return r;
   }
   return -1;
+}
+
+void OpContext::raise_left_early(int r, uint64_t seen) const {
+  saw_peer_failure_ = true;
+  EPCOMM_THROW(
+      Aborted, prefix(), "peer failure: ", peer_name(r), " is already at call #", shown(seen),
+      ": it left this call before this rank read its header (the call failed on it, or it runs among "
+      "other ranks now: a rank mask changed while this rank was still in this call)");
 }
 
 void OpContext::raise_lost() const {

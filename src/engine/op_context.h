@@ -221,6 +221,7 @@ class OpContext {
   // the lost rank.
   int find_local_peer(process::State state, const std::vector<int>& peers) const;
   [[noreturn]] void raise_lost() const;
+  [[noreturn]] void raise_left_early(int r, uint64_t seen) const;
 
   Transport& tp_;
   SegmentLayout layout_;

@@ -701,6 +701,39 @@ MR_CASE("v2_live_ranks", {false, 3}) {
                {"argument: live_ranks: expected ascending ranks in [0, "});
 }
 
+MR_CASE("v2_left_early", {false, 3}) {
+  // Ranks disagree on the live ranks of a call: rank 0 runs it among {0, 1}, ranks 1 and 2 alone, then two
+  // round trips among {1, 2}. Rank 1's header of the second one lands in the slot rank 0 still watches:
+  // rank 0 raises Aborted naming rank 1 at once instead of waiting out the deadline.
+  V2Groups g = make_v2_groups(ctx, 0, 256 << 10, 30);
+  if (ctx.rank == 0) {
+    V2Problem P = make_v2_problem(small_spec(2));
+    moe::DispatchV2Args a = dispatch_args(P, 0, 0);
+    moe::OpOptions o;
+    o.live_ranks = {0, 1};
+    auto t0 = Clock::now();
+    expect_error([&] { moe::dispatch_v2(*g.ep, nullptr, a, o); }, ErrorCode::Aborted,
+                 {"peer failure: ep rank 1 is already at call #", "it left this call"});
+    REQUIRE(seconds_since(t0) < 10, "took ", seconds_since(t0), " s");
+    return;
+  }
+  V2Groups alone = g;
+  alone.ep_rank = 0;
+  V2Run solo;
+  solo.spec = small_spec(1);
+  solo.combine = false;
+  solo.options.live_ranks = {ctx.rank};
+  run_v2(alone, solo, "alone: ");
+  V2Groups pair = g;
+  pair.ep_rank = ctx.rank - 1;
+  V2Run two;
+  two.spec = small_spec(2);
+  two.combine = false;
+  two.options.live_ranks = {1, 2};
+  run_v2(pair, two, "among 1 and 2: ");
+  run_v2(pair, two, "among 1 and 2 again: ");
+}
+
 MR_CASE("v2_agree_on_mask", {false, 3}) {
   // moe::agree_on_mask: all arrive (nothing masked); a masked rank returns at once while the others agree;
   // the last rank comes after the deadline: the others mask it, and it raises Timeout naming them.
