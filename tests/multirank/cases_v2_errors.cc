@@ -1016,11 +1016,11 @@ MR_CASE("v2_shuffled_timing", {}) {
 
 MR_CASE("v2_warm_up_at_creation", {}) {
   // A one-node group context ends its creation with a dispatch_v2 and two combine_v2 of one token
-  // (EPCOMM_WARMUP; docs/design.md, "Warm-up"). In the .small variant (a 139264-byte segment) the last of
-  // them, the combine of private expert outputs, raises InvalidUsage (capacity) on every rank: the warm-up
-  // stops there and the context is created all the same. Either way the caller sees no trace: the copy
-  // counters start at zero, the first call is numbered #1 in its messages, and the calls after it are the
-  // reference's.
+  // (EPCOMM_WARMUP; docs/design.md, "Warm-up"). In the .small variant (a 143360-byte segment: 4 KiB of data
+  // past the control part) the last of them, the combine of private expert outputs, raises InvalidUsage
+  // (capacity) on every rank: the warm-up stops there and the context is created all the same. Either way the
+  // caller sees no trace: the copy counters start at zero, the first call is numbered #1 in its messages, and
+  // the calls after it are the reference's.
   const char* small_bytes = std::getenv("EPCOMM_TEST_SMALL_SEGMENT");
   V2Groups g = make_v2_groups(ctx, 0, small_bytes ? std::atoll(small_bytes) : 16 << 20, 30);
   const moe::GroupContext& c = *g.ep->moe_context();
