@@ -9,6 +9,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <unordered_map>
 
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -30,17 +31,47 @@ namespace moe = epcomm::moe;
 struct Kwargs {
   py::dict d;
 
-  bool has(const char* name) const { return d.contains(name) && !d[name].is_none(); }
+  // The Python string of parameter `name` (a string literal: cached by its address) followed by `suffix`,
+  // made and hashed once per process: looking up a fresh string would build and hash it on every call, which
+  // at one token cost more than the operator. Called with the GIL held.
+  static PyObject* key(const char* name, const char* suffix = "") {
+    static std::unordered_map<const char*, PyObject*> plain, with_suffix;  // interned, process lifetime
+    auto& keys = *suffix ? with_suffix : plain;
+    auto it = keys.find(name);
+    if (it != keys.end()) return it->second;
+    PyObject* s = PyUnicode_InternFromString((std::string(name) + suffix).c_str());
+    if (!s) throw py::error_already_set();
+    keys.emplace(name, s);
+    return s;
+  }
+  // The value under `name` (+ suffix), borrowed, or null when absent.
+  PyObject* find(const char* name, const char* suffix = "") const {
+    PyObject* v = PyDict_GetItemWithError(d.ptr(), key(name, suffix));
+    if (!v && PyErr_Occurred()) throw py::error_already_set();
+    return v;
+  }
+  bool contains(const char* name) const { return find(name) != nullptr; }
+  py::object get(const char* name) const { return py::reinterpret_borrow<py::object>(find(name)); }
+
+  bool has(const char* name) const {
+    PyObject* v = find(name);
+    return v != nullptr && v != Py_None;
+  }
   std::optional<at::Tensor> torch(const char* name) const {
     if (!has(name)) return std::nullopt;
-    py::object v = d[name];
+    py::object v = get(name);
     if (!THPVariable_Check(v.ptr()))
       invalid(std::string("argument: ") + name + ": expected a torch.Tensor or None, got " + type_name(v));
     return v.cast<at::Tensor>();
   }
   std::optional<Tensor> opt(const char* name) const {
-    std::string fmt;  // one-byte formats torch lacks, e.g. "e8m0"
-    string((std::string(name) + "_format").c_str(), fmt);
+    std::string fmt;  // one-byte formats torch lacks, e.g. "e8m0": given under "<name>_format"
+    if (PyObject* f = find(name, "_format"); f && f != Py_None) {
+      if (!PyUnicode_Check(f))
+        invalid(std::string("argument: ") + name + "_format: expected a string, got " +
+                type_name(py::reinterpret_borrow<py::object>(f)));
+      fmt = py::reinterpret_borrow<py::str>(f).cast<std::string>();
+    }
     return from_torch(torch(name), name, fmt.empty() ? std::nullopt : std::optional<std::string>(fmt));
   }
   Tensor req(const char* name) const {
@@ -51,8 +82,8 @@ struct Kwargs {
   // An int parameter; absent keeps the default, None or another type is an error (torch_npu's schema has
   // ints there), and so is an int beyond 64 bits.
   void integer(const char* name, int64_t& out) const {
-    if (!d.contains(name)) return;
-    py::object v = d[name];
+    if (!contains(name)) return;
+    py::object v = get(name);
     if (!py::isinstance<py::int_>(v))
       invalid(std::string("argument: ") + name + ": expected an int, got " + type_name(v));
     int overflow = 0;
@@ -76,7 +107,7 @@ struct Kwargs {
   }
   void string(const char* name, std::string& out) const {
     if (!has(name)) return;
-    py::object v = d[name];
+    py::object v = get(name);
     if (!py::isinstance<py::str>(v))
       invalid(std::string("argument: ") + name + ": expected a string, got " + type_name(v));
     out = v.cast<std::string>();
@@ -90,7 +121,7 @@ struct Kwargs {
   // A list of ints (absent or None: empty).
   void int_list(const char* name, std::vector<int>& out) const {
     if (!has(name)) return;
-    py::object v = d[name];
+    py::object v = get(name);
     if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v))
       invalid(std::string("argument: ") + name + ": expected a list of ints, got " + type_name(v));
     out.clear();
@@ -114,7 +145,7 @@ struct Kwargs {
   // A float parameter (an int or a float; not a bool).
   std::optional<double> number(const char* name) const {
     if (!has(name)) return std::nullopt;
-    py::object v = d[name];
+    py::object v = get(name);
     if (py::isinstance<py::bool_>(v) || !(py::isinstance<py::int_>(v) || py::isinstance<py::float_>(v)))
       invalid(std::string("argument: ") + name + ": expected a number, got " + type_name(v));
     return v.cast<double>();
@@ -134,7 +165,7 @@ moe::OpOptions op_options(const Kwargs& k) {
   }
   // Outputs the caller gives no buffer for: torch tensors, allocated by the operator once it checked every
   // argument (so that malformed sizes never allocate); `core_allocates` (tests) keeps epcomm's allocator.
-  if (!k.d.contains("core_allocates")) o.allocator = torch_allocator();
+  if (!k.contains("core_allocates")) o.allocator = torch_allocator();
   return o;
 }
 
@@ -207,8 +238,9 @@ void dispatch_args(const Kwargs& k, moe::DispatchV2Args& a, moe::OpOptions& o) {
 }
 
 // Returns (expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts,
-// tp_recv_counts, expand_scales, expand_x format, dynamic_scales format).
-py::tuple dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, const py::dict& kwargs) {
+// tp_recv_counts, expand_scales, expand_x format, dynamic_scales format), or None with the key "no_result"
+// (a caller that passed every *_out buffer it reads: the seven tensors cost more than the call at one token).
+py::object dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, const py::dict& kwargs) {
   const Kwargs k{kwargs};
   Group* tpg = tp_of(tp);
   moe::DispatchV2Args a;
@@ -219,6 +251,7 @@ py::tuple dispatch_v2(const std::shared_ptr<Group>& ep, const py::object& tp, co
     py::gil_scoped_release nogil;
     r = moe::dispatch_v2(*ep, tpg, a, o);
   }
+  if (k.contains("no_result")) return py::none();
   return py::make_tuple(to_torch(r.expand_x), to_torch(r.dynamic_scales), to_torch(r.assist_info_for_combine),
                         to_torch(r.expert_token_nums), to_torch(r.ep_recv_counts), to_torch(r.tp_recv_counts),
                         to_torch(r.expand_scales), py::str(dtype_name(r.expand_x.dtype())),

@@ -65,7 +65,7 @@ class _Meta:
     """What combine needs from the dispatch besides the handle's items."""
 
     __slots__ = ("owner", "ids", "sent_ids", "mask", "masked", "T", "K", "L", "t_max", "rows", "global_bs",
-                 "shared_ranks", "format", "combine_buffer", "widen")
+                 "shared_ranks", "format", "combine_buffer", "widen", "ran")
 
 
 class _State:
@@ -139,9 +139,9 @@ def _check_masks_usable(buffer, shared_ranks, pre):
 
 class _Among:
     """The ranks one call runs among (docs/low-latency.md, "Masks and shrink"), decided in call order: the
-    Buffer's mask after the shrink agreement. `masked`: [R] 0/1; `ranks`: the real ranks of the operator call,
-    ascending (the unmasked ones on one node, only this rank when it is masked itself; every rank across nodes,
-    where masked ranks keep calling), or None when no rank is masked (the plain call)."""
+    Buffer's mask after the shrink agreement. `masked`: [R] 0/1, or None when no rank is masked (_PLAIN, the
+    plain call); `ranks`: the real ranks of the operator call, ascending (the unmasked ones on one node, only
+    this rank when it is masked itself; every rank across nodes, where masked ranks keep calling), or None."""
 
     __slots__ = ("masked", "ranks")
 
@@ -149,7 +149,7 @@ class _Among:
         self.masked, self.ranks = masked, ranks
 
     def active(self, r):
-        return not self.masked[r]
+        return self.masked is None or not self.masked[r]
 
     @property
     def narrowed(self):
@@ -165,21 +165,24 @@ class _Among:
                     moe_expert_num=W * L, global_bs=W * t_max)
 
 
+_PLAIN = _Among(None, None)
+
+
 def _among(buffer, st):
     """The ranks of the next call, on the thread that runs the calls in order: with enable_shrink first the
     agreement round among the unmasked ranks (moe_agree_on_mask on the operator group), whose newly masked
     ranks are added to the Buffer's mask (a warning names them)."""
     R, me = buffer.num_ranks, buffer.rank
-    masked = [int(m) for m in buffer._impl.low_latency_query_mask_buffer()]
+    masked = buffer._impl.low_latency_query_mask_buffer()
     if getattr(buffer, "enable_shrink", False) and buffer.num_nodes == 1:
         agreed = _C.moe_agree_on_mask(st.c, masked, buffer.timeout_s)
         for r in range(R):
             if agreed[r] and not masked[r]:
                 buffer._impl.low_latency_update_mask_buffer(r, True)
-        masked = [int(m) for m in agreed]
-    masked = tuple(masked)
+        masked = agreed
     if not any(masked):
-        return _Among(masked, None)
+        return _PLAIN
+    masked = tuple(int(m) for m in masked)
     if buffer.num_nodes > 1:
         return _Among(masked, tuple(range(R)))
     if masked[me]:
@@ -235,10 +238,13 @@ def _dispatch_among(buffer, st, kw, meta):
     the call runs among fewer ranks, whose outputs _widen_dispatch renumbers afterwards."""
     R, me, L = buffer.num_ranks, buffer.rank, meta.L
     among = _among(buffer, st)
+    meta.ran = True
+    if among is _PLAIN:  # prepare() set kw and meta for it
+        return kw
     sent = _sent_ids(meta.ids, among, me, L)
     absent = sent < 0
     mask = ~absent if bool(absent.any()) else None
-    meta.sent_ids, meta.mask, meta.masked, meta.widen = sent, mask, among.masked, None
+    meta.sent_ids, meta.mask, meta.masked = sent, mask, among.masked
     if not among.narrowed:
         return dict(kw, expert_ids=sent, x_active_mask=mask)
     op_counts = torch.empty(len(among.ranks) * L, dtype=torch.int32)
@@ -263,12 +269,13 @@ def _combine_among(buffer, st, kw, meta, handle):
     this rank returns the rows of its sources that are (a copy of them when some are left out), renumbered to
     the call's ranks, and expects rows for its slots whose holders are."""
     R, me, L = buffer.num_ranks, buffer.rank, meta.L
-    if meta.sent_ids is None:
+    if not meta.ran:
         raise InvalidUsageError(f"{_prefix(buffer, 'low_latency_combine')}argument: handle: its dispatch did not "
-                                f"complete (it raised); dispatch again")
+                                f"run (it raised); dispatch again")
     among = _among(buffer, st)
     if among.masked == meta.masked and not among.narrowed:
-        return dict(kw, expert_ids=meta.sent_ids, x_active_mask=meta.mask)
+        kw["expert_ids"], kw["x_active_mask"] = meta.sent_ids, meta.mask
+        return kw
     sent = _sent_ids(meta.sent_ids, among, me, L)
     absent = sent < 0
     mask = ~absent if bool(absent.any()) else None
@@ -439,7 +446,8 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         # dispatch_v2 checks the active ones (range, distinct within a row) on every call and fails the call on
         # every rank, naming the token and both slots.
         T, H, K = check_tokens(x, topk_idx, t_max, E, rank, pre, check_ids=False)
-        if T and bool((topk_idx >= E).any()):
+        lo, hi = (int(v) for v in topk_idx.aminmax()) if T else (0, 0)  # one pass (a decode step's calls are short)
+        if hi >= E:
             check_topk_ids(topk_idx, E, rank, pre)
         if H < 1:
             raise InvalidUsageError(f"{pre}argument: x: expected hidden >= 1, got {H}")
@@ -462,7 +470,12 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
         mode, y_dtype = FORMATS[fmt]
 
         _check_masks_usable(buffer, s_r, pre)
-        ids = topk_idx.clamp(min=-1).to(torch.int32).contiguous()  # a copy: negative ids become -1
+        # A copy (int32 ids come in too): negative ids become -1.
+        ids = topk_idx.to(torch.int32, copy=True, memory_format=torch.contiguous_format)
+        mask = None
+        if lo < 0:
+            ids.clamp_(min=-1)
+            mask = ids >= 0
 
         send = x
         if fmt == "mx_fp4_e2m1":
@@ -511,17 +524,18 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             fscales = torch.empty(rows * G, dtype=torch_dtype("e8m0"))
             recv_x, post = (fcodes, fscales), ("fp4", fcodes, fscales)
 
-        kw = dict(x=send, expert_ids=ids, x_active_mask=None, expert_scales=w, ep_world_size=R, ep_rank_id=rank,
+        kw = dict(x=send, expert_ids=ids, x_active_mask=mask, expert_scales=w, ep_world_size=R, ep_rank_id=rank,
                   moe_expert_num=E, tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
                   shared_expert_num=1 if s_r else 0, shared_expert_rank_num=s_r, quant_mode=mode,
                   global_bs=R * t_max, expert_token_nums_type=0 if prefix_sums else 1, y_dtype=y_dtype,
                   expand_x_out=expand_x, dynamic_scales_out=dyn, assist_info_for_combine_out=assist,
                   expert_token_nums_out=token_nums, ep_recv_counts_out=ep_counts,
-                  expand_scales_out=expand_scales if w is not None else None, hccl_buffsize_mb=200)
+                  expand_scales_out=expand_scales if w is not None else None, hccl_buffsize_mb=200,
+                  no_result=True)
         meta = _Meta()
-        # sent_ids, mask and masked are set when the call runs (its ranks are decided then).
         meta.owner, meta.ids, meta.T, meta.K, meta.L, meta.t_max = st.token, ids, T, K, L, t_max
-        meta.sent_ids = meta.mask = meta.masked = meta.widen = None
+        # As the plain call (no rank masked) sends them; _dispatch_among changes them under a mask.
+        meta.sent_ids, meta.mask, meta.masked, meta.widen, meta.ran = ids, mask, None, None, False
         meta.rows, meta.global_bs, meta.shared_ranks, meta.format = rows, R * t_max, s_r, fmt
         meta.combine_buffer = None
         handle = LowLatencyHandle((assist, ep_counts, t_max, H, E, token_nums, expand_scales), meta)
