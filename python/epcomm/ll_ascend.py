@@ -65,7 +65,7 @@ class _Meta:
     """What combine needs from the dispatch besides the handle's items."""
 
     __slots__ = ("owner", "ids", "sent_ids", "mask", "masked", "T", "K", "L", "t_max", "rows", "global_bs",
-                 "shared_ranks", "format", "combine_buffer", "widen", "ran")
+                 "shared_ranks", "format", "combine_buffer", "widen", "ran", "topk_ref")
 
 
 class _State:
@@ -534,6 +534,7 @@ def dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                   no_result=True)
         meta = _Meta()
         meta.owner, meta.ids, meta.T, meta.K, meta.L, meta.t_max = st.token, ids, T, K, L, t_max
+        meta.topk_ref = (topk_idx, topk_idx._version)
         # As the plain call (no rank masked) sends them; _dispatch_among changes them under a mask.
         meta.sent_ids, meta.mask, meta.masked, meta.widen, meta.ran = ids, mask, None, None, False
         meta.rows, meta.global_bs, meta.shared_ranks, meta.format = rows, R * t_max, s_r, fmt
@@ -624,9 +625,11 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
                 type(topk_idx).__name__
             raise InvalidUsageError(f"{pre}argument: topk_idx: expected the dispatch's [{T}, {K}] int64 (or int32) "
                                     f"tensor, got {got}")
-        given = topk_idx.clamp(min=-1)  # negative ids all mean "no expert"
-        want = meta.ids.to(given.dtype)
-        if not torch.equal(given, want):
+        # The dispatch's own tensor, not written since (torch counts in-place writes in _version), is equal.
+        same = topk_idx is meta.topk_ref[0] and topk_idx._version == meta.topk_ref[1]
+        given = None if same else topk_idx.clamp(min=-1)  # negative ids all mean "no expert"
+        want = None if same else meta.ids.to(given.dtype)
+        if not same and not torch.equal(given, want):
             diff = given != want
             t, k = (int(v) for v in diff.nonzero()[0])
             raise InvalidUsageError(f"{pre}argument: topk_idx: differs from the dispatch's at [{t}, {k}]: "

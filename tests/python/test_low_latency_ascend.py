@@ -458,6 +458,12 @@ def _errors_body(rank, world):
             args.update(kw)
         _expect(rank, bad, what, lambda a=args: buf.low_latency_combine(a.pop("x"), a.pop("topk_idx"),
                                                                        a.pop("topk_weights"), a.pop("handle"), **a))
+    # The dispatch's own topk_idx, written in place since its dispatch, is compared too.
+    idx2 = idx.clone()
+    out2 = buf.low_latency_dispatch(x, idx2, T_max, E, use_fp8=False, topk_weights=w)
+    if rank == 1:
+        idx2.copy_(torch.where(idx2 >= 0, (idx2 + 1) % E, idx2))
+    _expect(rank, 1, "argument: topk_idx: differs", lambda: buf.low_latency_combine(cx, idx2, w, out2[2]))
     good()
     # A region too small (every rank), low_latency_mode=False, mx_fp4 with an odd hidden size.
     small = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=1024, low_latency_mode=True, flavor="ascend")
