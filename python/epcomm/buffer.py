@@ -143,6 +143,11 @@ class Buffer:
                                    flavor=self.flavor)
         self.enable_shrink = bool(enable_shrink)
         _live_buffers.add(self)
+        if self.flavor == "ascend" and self.low_latency_mode and self.mode != "alltoall":
+            # The operator group of the ascend flavor's low-latency calls (docs/low-latency.md), created here
+            # with the Buffer (collectively, warm-up included): the first call then runs like the next ones,
+            # and a rank that stops after construction cannot block it.
+            ll_ascend._state(self, "Buffer")
 
     # ---- accessors ---------------------------------------------------------------------------------------
 

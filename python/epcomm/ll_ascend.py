@@ -309,7 +309,7 @@ def _state(buffer, op):
             raise InvalidUsageError(f"{_prefix(buffer, op)}low-latency mode of this Buffer was shut down")
         from .group import Group
 
-        # Collective (every rank makes its first LL call on this Buffer together).
+        # Collective: called by the Buffer's constructor on every rank.
         g = Group(buffer.group)
         # The operators' output arena gets the Buffer's low-latency reserve (num_rdma_bytes, which the size
         # hint makes two calls' outputs), so that the first calls' rows land on pages every rank has mapped.
