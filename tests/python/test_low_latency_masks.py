@@ -179,6 +179,19 @@ def body_ascend_masks(rank, R):
     out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, quant_mode="int8")
     asc.check_dispatch(out, "int8", rank, R, E, K, H, T_max, xs, without(ids, {2}, L), None, cache)
     ascend_round_trip(buf, rank, R, problem, {2})
+    # Two micro-batches in flight with hooks (combines queued on the worker), hooks called in reverse order.
+    eff = without(ids, {2}, L)
+    rows, _, _ = ref.rows_of(rank, eff, E, R)
+    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
+    outs = [buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False,
+                                     return_recv_hook=True) for _ in range(2)]
+    for out in reversed(outs):
+        out[4]()
+        asc.check_dispatch(out, "bf16", rank, R, E, K, H, T_max, xs, eff, ws, cache)
+    combined = [buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2], return_recv_hook=True) for out in outs]
+    for y, _, hook in reversed(combined):
+        hook()
+        assert same_bits(y, asc.expect_combine(rank, eff, ws, ys, H)), f"rank {rank}: hooked combine, 2 masked"
     if rank == 2:
         time.sleep(1.5)  # past the others' deadline: they must not wait for it
     ascend_round_trip(buf, rank, R, problem, {2})
@@ -218,6 +231,20 @@ def body_ascend_shrink(rank, R, stopped):
     buf.clean_low_latency_buffer(T_max, H, E)
     assert mask_of(buf, R) == {stopped}
     ascend_round_trip(buf, rank, R, problem, {stopped})
+    # Hooked calls: their agreement rounds run on the worker, in call order.
+    import ll_reference as ref
+    xs, ids, ws, ys = problem
+    L = E // R
+    eff = without(ids, {stopped}, L)
+    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False,
+                                   return_recv_hook=True)
+    rows, _, _ = ref.rows_of(rank, eff, E, R)
+    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
+    y, _, hook = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2], return_recv_hook=True)
+    hook()
+    out[4]()
+    asc.check_dispatch(out, "bf16", rank, R, E, K, H, T_max, xs, eff, ws, {})
+    assert same_bits(y, asc.expect_combine(rank, eff, ws, ys, H)), f"rank {rank}: hooked combine after shrink"
 
 
 def test_ascend_shrink_masks_a_rank_that_stops_calling():
