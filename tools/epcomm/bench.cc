@@ -48,7 +48,7 @@ const char* kBenchEpilog =
     "Phases: epcomm's iterations of every token count and order first; then (MPI) the baseline of each\n"
     "line; then the memcpy limit of each line; then rank 0 prints the lines. The baseline and the memcpy\n"
     "limit touch GBs of fresh memory, which slowed the next epcomm call 3-25x on the development VM, so no\n"
-    "such measurement runs between two epcomm lines (docs/performance.md, \"First calls\").\n\n"
+    "such measurement runs between two epcomm lines.\n\n"
     "Baseline (--bootstrap mpi only): the same operation as written without epcomm, on the same inputs,\n"
     "timed after all of epcomm's lines with its own warm-up and a barrier before each call.\n"
     "dispatch: MPI_Alltoall of the counts per (rank, expert); pack\n"
@@ -731,8 +731,8 @@ int bench_rank(BenchOptions o, std::unique_ptr<Bootstrap> bootstrap) {
   // Three phases, so that no reference measurement runs between two of epcomm's lines: (1) epcomm, every
   // token count and order; (2) under MPI, the baseline of each line; (3) the memcpy limit of each line, then
   // the lines. The baseline and the memcpy limit touch GBs of fresh memory, and on the development VM
-  // epcomm's next call after that ran 3-25x slower (its memory as slow as fresh: docs/performance.md,
-  // "First calls"); epcomm's first call of a line then measured the VM, not epcomm.
+  // epcomm's next call after that ran 3-25x slower (its memory as slow as fresh); epcomm's first call of a
+  // line then measured the VM, not epcomm.
   struct Line {
     int64_t tokens;
     ReceiveOrder order;
