@@ -11,8 +11,8 @@ Rank masks (docs/low-latency.md, "Masks and shrink"): on one node a call runs am
 (the operators' live_ranks, ids and handle items renumbered around them), with enable_shrink after an
 agreement round on the operator group; across nodes every rank calls and masked pairs are sent as absent.
 
-Every Buffer gets its own epcomm.Group over the Buffer's process group (created collectively at its first LL
-call) and one worker thread: calls with return_recv_hook or async_finish run on it, in issue order; a call
+Every low_latency_mode Buffer gets its own epcomm.Group over the Buffer's process group (created collectively
+with the Buffer) and one worker thread: calls with return_recv_hook or async_finish run on it, in issue order; a call
 with neither waits for what is queued there and runs on the caller's thread."""
 import concurrent.futures
 import os
@@ -191,15 +191,17 @@ def _among(buffer, st):
 
 
 def _sent_ids(ids, among, me, L):
-    """ids (real numbering, -1 absent) with the pairs to masked ranks' experts made absent (all of them when
-    this rank is masked: it sends nothing)."""
-    if among.ranks is None:
-        return ids
+    """(ids, x_active_mask): ids (real numbering, -1 absent) with the pairs to masked ranks' experts made
+    absent (all of them when this rank is masked: it sends nothing), and the slots still active (None when
+    all are)."""
     if among.masked[me]:
-        return torch.full_like(ids, -1)
-    live = torch.tensor([not m for m in among.masked])
-    keep = (ids < 0) | live[ids.clamp(min=0) // L]
-    return torch.where(keep, ids, torch.full_like(ids, -1))
+        sent = torch.full_like(ids, -1)
+    else:
+        live = torch.tensor([not m for m in among.masked])
+        keep = (ids < 0) | live[ids.clamp(min=0) // L]
+        sent = torch.where(keep, ids, torch.full_like(ids, -1))
+    active = sent >= 0
+    return sent, (None if bool(active.all()) else active)
 
 
 def _renumber(ids, among, R, L):
@@ -241,9 +243,7 @@ def _dispatch_among(buffer, st, kw, meta):
     meta.ran = True
     if among is _PLAIN:  # prepare() set kw and meta for it
         return kw
-    sent = _sent_ids(meta.ids, among, me, L)
-    absent = sent < 0
-    mask = ~absent if bool(absent.any()) else None
+    sent, mask = _sent_ids(meta.ids, among, me, L)
     meta.sent_ids, meta.mask, meta.masked = sent, mask, among.masked
     if not among.narrowed:
         return dict(kw, expert_ids=sent, x_active_mask=mask)
@@ -276,9 +276,7 @@ def _combine_among(buffer, st, kw, meta, handle):
     if among.masked == meta.masked and not among.narrowed:
         kw["expert_ids"], kw["x_active_mask"] = meta.sent_ids, meta.mask
         return kw
-    sent = _sent_ids(meta.sent_ids, among, me, L)
-    absent = sent < 0
-    mask = ~absent if bool(absent.any()) else None
+    sent, mask = _sent_ids(meta.sent_ids, among, me, L) if among is not _PLAIN else (meta.sent_ids, meta.mask)
     ranks = among.ranks if among.ranks is not None else tuple(range(R))
     keep_src = torch.tensor([among.active(r) and among.active(me) for r in range(R)])
     lr = handle.layout_range
@@ -593,6 +591,19 @@ def _own_handle(st, handle, pre):
                             f"{type(handle).__name__}")
 
 
+def _check_same_ids(topk_idx, meta, pre):
+    """topk_idx [T, K] equals the dispatch's ids (negative ids all mean "no expert"). The dispatch's own
+    tensor, not written since (torch counts in-place writes in _version), is equal without a comparison."""
+    if topk_idx is meta.topk_ref[0] and topk_idx._version == meta.topk_ref[1]:
+        return
+    given = topk_idx.clamp(min=-1)
+    want = meta.ids.to(given.dtype)
+    if not torch.equal(given, want):
+        t, k = (int(v) for v in (given != want).nonzero()[0])
+        raise InvalidUsageError(f"{pre}argument: topk_idx: differs from the dispatch's at [{t}, {k}]: "
+                                f"{int(topk_idx[t, k])}, the dispatch had {int(meta.ids[t, k])}")
+
+
 def combine_buffer(buffer, handle):
     """The [rows, H] bf16 tensor to write the expert outputs into for combine(..., zero_copy=True), kept on the
     handle (the same tensor on every call for a handle). It lies in the operator group's output arena: on one
@@ -625,15 +636,7 @@ def combine(buffer, x, topk_idx, topk_weights, handle, zero_copy=False, async_fi
                 type(topk_idx).__name__
             raise InvalidUsageError(f"{pre}argument: topk_idx: expected the dispatch's [{T}, {K}] int64 (or int32) "
                                     f"tensor, got {got}")
-        # The dispatch's own tensor, not written since (torch counts in-place writes in _version), is equal.
-        same = topk_idx is meta.topk_ref[0] and topk_idx._version == meta.topk_ref[1]
-        given = None if same else topk_idx.clamp(min=-1)  # negative ids all mean "no expert"
-        want = None if same else meta.ids.to(given.dtype)
-        if not same and not torch.equal(given, want):
-            diff = given != want
-            t, k = (int(v) for v in diff.nonzero()[0])
-            raise InvalidUsageError(f"{pre}argument: topk_idx: differs from the dispatch's at [{t}, {k}]: "
-                                    f"{int(topk_idx[t, k])}, the dispatch had {int(meta.ids[t, k])}")
+        _check_same_ids(topk_idx, meta, pre)
         w = _weights(topk_weights, T, K, "topk_weights", pre, True)
         _check_masks_usable(buffer, meta.shared_ranks, pre)
         if zero_copy:

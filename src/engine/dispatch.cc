@@ -520,7 +520,7 @@ const int32_t* DispatchCall::pairs_of(int s, std::vector<int32_t>& dense) const 
   std::fill(row, row + E, 0);
   for (int i = 0; i < h->num_sparse; ++i) {
     const int32_t e = h->sparse[2 * i];
-    EPCOMM_CHECK_INTERNAL(e >= 0 && e < in_.num_experts, ctx_.prefix(), "internal: rank ", s,
+    EPCOMM_CHECK_INTERNAL(e >= 0 && e < in_.num_experts, ctx_.prefix(), "internal: ", ctx_.peer_name(s),
                           " listed expert ", e, " of ", in_.num_experts);
     row[e] = h->sparse[2 * i + 1];
   }

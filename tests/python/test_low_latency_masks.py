@@ -127,9 +127,32 @@ def without(ids, gone, L):
             for s, i in enumerate(ids)]
 
 
+def ascend_expert_outputs(rank, R, problem, eff, shape=ASC):
+    """The expert outputs (combine's x) this rank holds after a dispatch routed by `eff`, in its row order."""
+    import ll_reference as ref
+    import test_low_latency_ascend as asc
+    E, K, H, T_max = shape["E"], shape["K"], shape["H"], shape["T_max"]
+    rows, _, _ = ref.rows_of(rank, eff, E, R)
+    return asc.combine_input(rows, problem[3], ref.capacity(R, T_max, K, E // R), H)
+
+
+def ascend_masked_before_combine(buf, rank, R, problem, gone, late, shape=ASC):
+    """A dispatch with `gone` masked, then `late` masked too before its combine: that combine leaves `late`
+    out (its pairs absent, its own tokens +0), checked bitwise."""
+    import test_low_latency_ascend as asc
+    E, T_max = shape["E"], shape["T_max"]
+    L = E // R
+    xs, ids, ws, ys = problem
+    y_in = ascend_expert_outputs(rank, R, problem, without(ids, gone, L), shape)
+    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
+    buf.low_latency_update_mask_buffer(late, True)
+    y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
+    assert same_bits(y, asc.expect_combine(rank, without(ids, gone | {late}, L), ws, ys, shape["H"])), \
+        f"rank {rank}: combine with rank {late} masked after its dispatch"
+
+
 def ascend_round_trip(buf, rank, R, problem, gone, shape=ASC):
     """A bf16 dispatch (checked: rows, counts, handle) and its combine (bitwise) with `gone` masked."""
-    import ll_reference as ref
     import test_low_latency_ascend as asc
     E, K, H, T_max = shape["E"], shape["K"], shape["H"], shape["T_max"]
     L = E // R
@@ -139,8 +162,7 @@ def ascend_round_trip(buf, rank, R, problem, gone, shape=ASC):
     asc.check_dispatch(out, "bf16", rank, R, E, K, H, T_max, xs, eff, ws, {})
     if rank in gone:
         assert out[1].tolist() == [0] * L
-    rows, _, _ = ref.rows_of(rank, eff, E, R)
-    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
+    y_in = ascend_expert_outputs(rank, R, problem, eff, shape)
     y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
     assert same_bits(y, asc.expect_combine(rank, eff, ws, ys, H)), f"rank {rank}: combine with {gone} masked"
     if rank in gone:
@@ -155,7 +177,6 @@ def body_ascend_masks(rank, R):
     combine (its pairs absent, its own tokens +0); the cleaned mask brings everyone back."""
     import time
     import torch.distributed as dist
-    import ll_reference as ref
     import test_low_latency_ascend as asc
     E, K, H, T_max = ASC["E"], ASC["K"], ASC["H"], ASC["T_max"]
     L = E // R
@@ -181,8 +202,7 @@ def body_ascend_masks(rank, R):
     ascend_round_trip(buf, rank, R, problem, {2})
     # Two micro-batches in flight with hooks (combines queued on the worker), hooks called in reverse order.
     eff = without(ids, {2}, L)
-    rows, _, _ = ref.rows_of(rank, eff, E, R)
-    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
+    y_in = ascend_expert_outputs(rank, R, problem, eff)
     outs = [buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False,
                                      return_recv_hook=True) for _ in range(2)]
     for out in reversed(outs):
@@ -195,14 +215,7 @@ def body_ascend_masks(rank, R):
     if rank == 2:
         time.sleep(1.5)  # past the others' deadline: they must not wait for it
     ascend_round_trip(buf, rank, R, problem, {2})
-    # Rank 0 masked between a dispatch and its combine.
-    rows, _, _ = ref.rows_of(rank, without(ids, {2}, L), E, R)
-    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
-    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
-    buf.low_latency_update_mask_buffer(0, True)
-    y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
-    assert same_bits(y, asc.expect_combine(rank, without(ids, {0, 2}, L), ws, ys, H)), \
-        f"rank {rank}: combine with rank 0 masked after its dispatch"
+    ascend_masked_before_combine(buf, rank, R, problem, {2}, 0)
     assert mask_of(buf, R) == {0, 2}
     dist.barrier()  # rank 2 catches up before every rank is needed again
     buf.low_latency_clean_mask_buffer()
@@ -232,14 +245,11 @@ def body_ascend_shrink(rank, R, stopped):
     assert mask_of(buf, R) == {stopped}
     ascend_round_trip(buf, rank, R, problem, {stopped})
     # Hooked calls: their agreement rounds run on the worker, in call order.
-    import ll_reference as ref
     xs, ids, ws, ys = problem
-    L = E // R
-    eff = without(ids, {stopped}, L)
+    eff = without(ids, {stopped}, E // R)
     out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False,
                                    return_recv_hook=True)
-    rows, _, _ = ref.rows_of(rank, eff, E, R)
-    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
+    y_in = ascend_expert_outputs(rank, R, problem, eff)
     y, _, hook = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2], return_recv_hook=True)
     hook()
     out[4]()
@@ -266,24 +276,16 @@ def body_ascend_shrink_refusals(rank, R):
 def body_ascend_masks_across_nodes(rank, R):
     """Flavor ascend over two virtual nodes: every rank keeps calling; rank 3 masked sends and receives
     nothing, rank 0 masked between a dispatch and its combine is left out of that combine; shrink raises."""
-    import ll_reference as ref
     import test_low_latency_ascend as asc
     shape = dict(E=8, K=3, H=128, T_max=4)
     E, K, H, T_max = shape["E"], shape["K"], shape["H"], shape["T_max"]
-    L = E // R
     problem = asc.make_problem(R, E, K, H, [T_max, 3, 0, T_max], 21)
-    xs, ids, ws, ys = problem
+    xs, ids = problem[0], problem[1]
     buf = asc.new_buffer()
     assert buf.num_nodes == 2
     buf.low_latency_update_mask_buffer(3, True)
     ascend_round_trip(buf, rank, R, problem, {3}, shape)
-    rows, _, _ = ref.rows_of(rank, without(ids, {3}, L), E, R)
-    y_in = asc.combine_input(rows, ys, ref.capacity(R, T_max, K, L), H)
-    out = buf.low_latency_dispatch(xs[rank], ids[rank], T_max, E, topk_weights=ws[rank], use_fp8=False)
-    buf.low_latency_update_mask_buffer(0, True)
-    y, _, _ = buf.low_latency_combine(y_in, ids[rank], ws[rank], out[2])
-    assert same_bits(y, asc.expect_combine(rank, without(ids, {0, 3}, L), ws, ys, H)), \
-        f"rank {rank}: combine with rank 0 masked after its dispatch"
+    ascend_masked_before_combine(buf, rank, R, problem, {3}, 0, shape)
     for r in (0, 3):
         buf.low_latency_update_mask_buffer(r, False)
     ascend_round_trip(buf, rank, R, problem, set(), shape)
